@@ -1,0 +1,64 @@
+"""The oracle: HuggingFace transformers' Qwen3 on the same folder, device and dtype.
+
+Every smoke script and test compares against these functions; nothing else imports HF modeling.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+@functools.lru_cache(maxsize=4)
+def load_hf_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """AutoModelForCausalLM in eval mode, cached (tests load the same folder many times)."""
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF `generate` with do_sample=False, one request alone; returns the new tokens only."""
+    from transformers import GenerationConfig
+
+    eos = model.generation_config.eos_token_id
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                              pad_token_id=_first(eos) if eos is not None else 0)
+    ids = torch.tensor([prompt_ids], device=model.device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.inference_mode()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of one forward over `ids` with no cache: [len(ids), vocab], float32."""
+    out = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False)
+    return out.logits[0].float()
+
+
+def top2_gaps(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit per row: small gaps are where two correct runs may disagree."""
+    top2 = logits.topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def greedy_step_logits(model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
+    """HF logits at the positions that chose `new_ids`: [len(new_ids), vocab]."""
+    seq = prompt_ids + new_ids[:-1]
+    return hf_logits(model, seq)[len(prompt_ids) - 1:]
+
+
+def _first(value):
+    return value[0] if isinstance(value, (list, tuple)) else value

@@ -1,0 +1,251 @@
+"""The smoke-script skeleton shared by every lesson (contract: COURSE.md, "Smoke script contract").
+
+A lesson's `scripts/lN_smoke.py` adds its own options and a run function; this module parses the
+common options, checks the input, runs the lesson, runs HF greedy on each request alone, and
+prints PASS or FAIL. Exit status: 0 all match, 1 any mismatch, 2 bad input (one line, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from l1_contiguous import InputError, load_config
+from l1_contiguous.config import Qwen3Config
+
+from . import hf_reference as hf
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO_ROOT / "assets" / "tiny-qwen3-kjv"
+DEFAULT_PROMPTS = [
+    "In the beginning God created",
+    "And the LORD spake unto Moses, saying",
+    "Blessed are the",
+]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str | None = None
+
+
+@dataclass
+class Setup:
+    """Everything resolved from the common options, handed to the lesson's run function."""
+
+    model_dir: Path
+    cfg: Qwen3Config
+    device: str
+    dtype: torch.dtype
+    tokenizer: object | None
+    prompts: list[Prompt]
+    max_new_tokens: int
+
+
+@dataclass
+class RequestResult:
+    prompt_ids: list[int]
+    ids: list[int]  # ours, new tokens only
+    logits: torch.Tensor | None = None  # ours, [len(prompt) + len(ids) - 1, vocab], for the logit check
+    label: str = ""
+
+
+@dataclass
+class LessonRun:
+    requests: list[RequestResult]
+    figures: dict = field(default_factory=dict)  # lesson-specific numbers for the report and JSON
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def make_parser(lesson: str, description: str) -> argparse.ArgumentParser:
+    p = _Parser(prog=f"{lesson.lower()}_smoke.py", description=description)
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="HF-format model folder (or a hub id when online); default: the embedded model")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text; repeat for more requests")
+    p.add_argument("--prompt-ids", action="append", default=[], help="raw ids '1,2,3'; repeatable")
+    p.add_argument("--max-new-tokens", type=int, default=20)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> Setup:
+    """Check the common options and load config, tokenizer and prompts; InputError on bad input."""
+    model_dir = resolve_model_dir(args.model)
+    cfg = load_config(model_dir)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    tokenizer = load_tokenizer(model_dir)
+    prompts = read_prompts(args, tokenizer, cfg)
+    for p in prompts:
+        check_prompt(p.ids, cfg, args.max_new_tokens)
+    return Setup(model_dir, cfg, device, dtype, tokenizer, prompts, args.max_new_tokens)
+
+
+def resolve_model_dir(arg: str) -> Path:
+    path = Path(arg)
+    if path.is_dir():
+        return path
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", arg) and not path.exists():
+        return _download(arg)
+    raise InputError(f"model folder {arg} does not exist; pass --model with an HF-format folder")
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt"]))
+    except Exception as exc:  # offline, unknown id, no permission: all mean "use a local folder"
+        raise InputError(f"could not fetch {repo_id} from the hub ({type(exc).__name__}); "
+                         f"pass --model with a local folder") from None
+
+
+def load_tokenizer(model_dir: Path):
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def read_prompts(args, tokenizer, cfg: Qwen3Config) -> list[Prompt]:
+    if args.prompt and tokenizer is None:
+        raise InputError(f"--prompt needs a tokenizer, and {args.model} has none; use --prompt-ids 1,2,3")
+    prompts = [Prompt(encode(tokenizer, text), text) for text in args.prompt]
+    prompts += [Prompt(parse_ids(s)) for s in args.prompt_ids]
+    if prompts:
+        return prompts
+    if tokenizer is not None:
+        return [Prompt(encode(tokenizer, t), t) for t in DEFAULT_PROMPTS]
+    # A folder without a tokenizer (e.g. a random checkpoint): fixed ids spread over the vocabulary.
+    return [Prompt([(7919 * i + 11 * n) % cfg.vocab_size for i in range(n)]) for n in (5, 11, 17)]
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    if not text.strip():
+        raise InputError("--prompt is empty; give some text")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def parse_ids(spec: str) -> list[int]:
+    parts = [s for s in spec.replace(" ", "").split(",") if s]
+    if not parts:
+        raise InputError("--prompt-ids is empty; give ids like 1,2,3")
+    try:
+        return [int(s) for s in parts]
+    except ValueError:
+        raise InputError(f"--prompt-ids {spec!r} is not a comma-separated list of integers") from None
+
+
+def check_prompt(ids: list[int], cfg: Qwen3Config, max_new_tokens: int) -> None:
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    if len(ids) + max_new_tokens > cfg.max_position_embeddings:
+        raise InputError(
+            f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the model's "
+            f"{cfg.max_position_embeddings} positions; shorten the prompt or lower --max-new-tokens")
+
+
+def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, Setup], LessonRun],
+              add_options: Callable[[argparse.ArgumentParser], None] | None = None,
+              argv: list[str] | None = None) -> int:
+    """Parse, run the lesson, compare each request with HF alone, report. Returns the exit status."""
+    parser = make_parser(lesson, description)
+    if add_options:
+        add_options(parser)
+    args = parser.parse_args(argv)
+    try:
+        setup = resolve(args)
+        result = run(args, setup)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report = compare_with_hf(setup, result)
+    print_report(lesson, setup, report, result.figures)
+    if args.json:
+        print(json.dumps({"lesson": lesson, "model": str(setup.model_dir), "device": setup.device,
+                          "dtype": str(setup.dtype).removeprefix("torch."), "match": report["match"],
+                          **result.figures, "requests": report["requests"]}))
+    return 0 if report["match"] else 1
+
+
+def compare_with_hf(setup: Setup, result: LessonRun) -> dict:
+    model = hf.load_hf_model(str(setup.model_dir), setup.device, setup.dtype)
+    rows = [_compare_one(model, setup, r) for r in result.requests]
+    return {"match": all(r["match"] for r in rows), "requests": rows}
+
+
+def _compare_one(model, setup: Setup, r: RequestResult) -> dict:
+    hf_ids = hf.hf_greedy(model, r.prompt_ids, setup.max_new_tokens)
+    gaps = hf.top2_gaps(hf.greedy_step_logits(model, r.prompt_ids, hf_ids))
+    mismatch = next((i for i, (a, b) in enumerate(zip(r.ids, hf_ids)) if a != b), None)
+    if mismatch is None and len(r.ids) != len(hf_ids):
+        mismatch = min(len(r.ids), len(hf_ids))
+    row = {"label": r.label, "prompt_ids": r.prompt_ids, "ids": r.ids, "hf_ids": hf_ids,
+           "match": mismatch is None, "first_mismatch": mismatch,
+           "min_top2_gap": float(gaps.min()),
+           "gap_at_mismatch": float(gaps[mismatch]) if mismatch is not None and mismatch < len(gaps) else None}
+    if r.logits is not None:
+        ref = hf.hf_logits(model, r.prompt_ids + r.ids[:-1])
+        row["max_logit_diff"] = float((r.logits.float() - ref).abs().max())
+    if setup.tokenizer is not None:
+        row["prompt_text"] = setup.tokenizer.decode(r.prompt_ids)
+        row["text"] = setup.tokenizer.decode(r.ids)
+    return row
+
+
+def print_report(lesson: str, setup: Setup, report: dict, figures: dict) -> None:
+    dtype = str(setup.dtype).removeprefix("torch.")
+    print(f"{lesson} · model {setup.model_dir} · {setup.device} {dtype}")
+    for i, row in enumerate(report["requests"]):
+        label = f" {row['label']}" if row["label"] else ""
+        print(f"[{i}]{label} prompt {_show(row, 'prompt_text', 'prompt_ids')}")
+        print(f"     ours   {_show(row, 'text', 'ids')}")
+        print(f"     HF     {_verdict(row)}")
+    for key, value in figures.items():
+        print(f"{key}: {value}")
+    n_ok = sum(r["match"] for r in report["requests"])
+    word = "PASS" if report["match"] else "FAIL"
+    print(f"{word}: {n_ok}/{len(report['requests'])} requests equal HF's greedy ids")
+
+
+def _show(row: dict, text_key: str, ids_key: str) -> str:
+    text = f"{row[text_key]!r} " if text_key in row else ""
+    return f"{text}ids {row[ids_key]}"
+
+
+def _verdict(row: dict) -> str:
+    extra = f", min top-2 gap {row['min_top2_gap']:.3g}"
+    if "max_logit_diff" in row:
+        extra += f", max |logit diff| {row['max_logit_diff']:.2e}"
+    if row["match"]:
+        return f"match ({len(row['hf_ids'])} ids){extra}"
+    i, gap = row["first_mismatch"], row["gap_at_mismatch"]
+    hf_id = row["hf_ids"][i] if i < len(row["hf_ids"]) else "end"
+    ours = row["ids"][i] if i < len(row["ids"]) else "end"
+    tie = f"; HF's top-2 gap there is {gap:.2g}" if gap is not None else ""
+    tie += " (a near tie: rounding, not necessarily a bug)" if gap is not None and gap < 1e-2 else ""
+    return f"MISMATCH at new token {i}: ours {ours}, HF {hf_id}; HF ids {row['hf_ids']}{tie}{extra}"

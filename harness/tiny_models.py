@@ -1,0 +1,60 @@
+"""Random Qwen3 models in HF format, made on the fly for tests and for the real-checkpoint check.
+
+With transformers' default init (std 0.02) a random Qwen3 is nearly uniform over its vocabulary
+and greedy decoding repeats one id, which would let a broken cache pass any comparison. Scaling
+the init up makes every position's logits depend strongly on the context, so a wrong K/V shows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+QWEN3_0_6B = dict(  # the published Qwen3-0.6B config.json, minus fields our model ignores
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    bos_token_id=151643, eos_token_id=151645,
+)
+
+TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=None, eos_token_id=None,
+)
+
+
+def hf_config(**overrides):
+    """A transformers Qwen3Config from TINY with `overrides`."""
+    from transformers import Qwen3Config
+
+    fields = {**TINY, **overrides}
+    theta = fields.pop("rope_theta")
+    return Qwen3Config(**fields, rope_parameters={"rope_type": "default", "rope_theta": theta})
+
+
+def make_random_model(out_dir: str | Path, seed: int = 0, init_std: float = 0.25,
+                      shard_size: str | None = None, **overrides) -> Path:
+    """Save a random Qwen3 (HF format) to `out_dir` and return the path."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = hf_config(initializer_range=init_std, **overrides)
+    model = Qwen3ForCausalLM(cfg).eval()
+    _randomize_norms(model, seed)
+    out_dir = Path(out_dir)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    return out_dir
+
+
+def _randomize_norms(model, seed: int) -> None:
+    # RMSNorm weights start at 1.0; random ones make a test notice a norm applied to the wrong
+    # tensor (e.g. q_norm's weight used for k) that all-ones weights would hide.
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.5 * torch.rand(p.shape, generator=gen))

@@ -1,0 +1,72 @@
+"""Read Qwen3 weights from safetensors (one file or sharded) and check them against the config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import Qwen3Config
+from .errors import ModelLoadError
+
+
+def expected_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor our model needs, by its HF name, with its shape."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (cfg.num_attention_heads * d, h),
+            p + "self_attn.k_proj.weight": (cfg.num_key_value_heads * d, h),
+            p + "self_attn.v_proj.weight": (cfg.num_key_value_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+        }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def load_weights(model_dir: str | Path, cfg: Qwen3Config, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Return {HF name: tensor} for every tensor in `expected_shapes`, cast to `dtype` on `device`."""
+    wanted = expected_shapes(cfg)
+    files = _tensor_files(Path(model_dir))
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in wanted:
+                    found[name] = f.get_tensor(name)
+    missing = [n for n in wanted if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"tensor {missing[0]} is missing from {model_dir}{more}")
+    for name, shape in wanted.items():
+        if tuple(found[name].shape) != shape:
+            raise ModelLoadError(
+                f"tensor {name} has shape {tuple(found[name].shape)}, config.json implies {shape}")
+    return {n: t.to(device=device, dtype=dtype) for n, t in found.items()}
+
+
+def _tensor_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shard_names if not (model_dir / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"shard {missing[0]} listed in {index.name} is not in {model_dir}")
+        return [model_dir / s for s in shard_names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
+    return files

@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""L1 smoke test: greedy decoding with one contiguous KV cache per layer, checked against HF."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from harness.smoke import LessonRun, RequestResult, run_smoke  # noqa: E402
+from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate  # noqa: E402
+
+
+def add_options(parser):
+    parser.add_argument("--cache-len", type=int, default=None,
+                        help="positions in each request's contiguous cache (default: prompt + max-new-tokens)")
+
+
+def run(args, setup) -> LessonRun:
+    model = Qwen3ForCausalLM.from_pretrained(setup.model_dir, setup.dtype, setup.device)
+    results, cache_bytes = [], 0
+    for prompt in setup.prompts:
+        need = len(prompt.ids) + setup.max_new_tokens
+        cache_len = args.cache_len or need
+        if cache_len < need:
+            raise InputError(f"--cache-len {cache_len} is shorter than prompt ({len(prompt.ids)}) + "
+                             f"--max-new-tokens ({setup.max_new_tokens}); raise --cache-len")
+        cache = ContiguousKvCache(setup.cfg, cache_len, setup.dtype, setup.device)
+        gen = greedy_generate(model, prompt.ids, setup.max_new_tokens, cache)
+        results.append(RequestResult(prompt.ids, gen.new_ids, logits=torch.stack(gen.logits)))
+        cache_bytes = max(cache_bytes, cache.nbytes())
+    return LessonRun(results, {"kv_bytes_per_token": setup.cfg.kv_bytes_per_token(model.dtype.itemsize),
+                               "largest_cache_bytes": cache_bytes})
+
+
+if __name__ == "__main__":
+    sys.exit(run_smoke("L1", __doc__, run, add_options))
