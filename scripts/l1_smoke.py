@@ -14,6 +14,9 @@ from harness.smoke import LessonRun, RequestResult, run_smoke  # noqa: E402
 from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate  # noqa: E402
 
 
+LESSON = "L1"
+
+
 def add_options(parser):
     parser.add_argument("--cache-len", type=int, default=None,
                         help="positions in each request's contiguous cache (default: prompt + max-new-tokens)")
@@ -37,4 +40,4 @@ def run(args, setup) -> LessonRun:
 
 
 if __name__ == "__main__":
-    sys.exit(run_smoke("L1", __doc__, run, add_options))
+    sys.exit(run_smoke(LESSON, __doc__, run, add_options))

@@ -1,0 +1,42 @@
+"""Helpers the lesson tests share: running HF on the same folder, random prompts."""
+
+from __future__ import annotations
+
+import random
+
+from harness import hf_reference as hf
+
+
+def hf_ids(model_dir, prompt_ids, max_new_tokens):
+    return hf.hf_greedy(hf.load_hf_model(str(model_dir)), prompt_ids, max_new_tokens)
+
+
+def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+def load_script(name: str):
+    """Import scripts/<name>.py as a module (scripts/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script_json(name: str, argv: list[str], capsys) -> tuple[int, dict | None, str]:
+    """Run a smoke script in-process; returns (exit status, the JSON object or None, stderr)."""
+    import json
+
+    from harness.smoke import run_smoke
+
+    module = load_script(name)
+    status = run_smoke(module.LESSON, module.__doc__, module.run, getattr(module, "add_options", None),
+                       argv=argv + ["--json"])
+    out, err = capsys.readouterr()
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    return status, (json.loads(last) if last.startswith("{") else None), err
