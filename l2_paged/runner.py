@@ -1,0 +1,82 @@
+"""Run several requests together on one pool: one packed prefill, then batched decode steps.
+
+    prefill:  every prompt in one forward (ragged batch) ─► first token of each request
+    decode:   all unfinished requests, one token each, in one forward ─► next tokens
+    finish:   a request that hit max_new_tokens or a stop id gives its blocks back at once
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from l1_contiguous import Qwen3ForCausalLM
+
+from .allocator import BlockAllocator
+from .attention import PagedAttention
+from .meta import build_meta
+from .pool import KvPool
+from .request import Request, release, reserve
+
+
+@dataclass
+class PoolStats:
+    """The counters the lesson shows: a snapshot after each step."""
+
+    blocks_total: int
+    blocks_used: list[int] = field(default_factory=list)
+    wasted_slots: list[int] = field(default_factory=list)  # reserved, unfilled, in last blocks
+    owners: list[dict[int, list[int]]] = field(default_factory=list)  # request id -> its blocks
+
+
+def load_paged_model(model_dir: str | Path, dtype=torch.float32, device="cpu",
+                     attention_cls=PagedAttention) -> Qwen3ForCausalLM:
+    """L1's model with the paged cache step."""
+    return Qwen3ForCausalLM.from_pretrained(model_dir, dtype, device, attention_cls=attention_cls)
+
+
+class PagedRunner:
+    def __init__(self, model: Qwen3ForCausalLM, pool: KvPool, alloc: BlockAllocator, stop_ids=None):
+        self.model, self.pool, self.alloc = model, pool, alloc
+        self.stop_ids = set(model.config.eos_token_ids if stop_ids is None else stop_ids)
+        self.stats = PoolStats(alloc.num_blocks)
+
+    @torch.inference_mode()
+    def forward(self, reqs: list[Request], num_new: list[int]) -> list[int]:
+        """Reserve, run the new tokens of `reqs` in one forward, advance cur_len; greedy ids."""
+        for req, n in zip(reqs, num_new):
+            reserve(req, self.alloc, req.cur_len + n)
+        input_ids, meta = self.build_meta(reqs, num_new)
+        last = meta.cu_seqlens_q[1:] - 1  # each request's last new token
+        logits = self.model(input_ids, self.pool, meta, logits_for=last)
+        for req, n in zip(reqs, num_new):
+            req.cur_len += n
+        return logits.argmax(-1).tolist()
+
+    def build_meta(self, reqs: list[Request], num_new: list[int]):
+        """Input ids and metadata of one forward; L3 overrides this to add block tables."""
+        return build_meta(reqs, num_new, self.model.device)
+
+    def step(self, reqs: list[Request], num_new: list[int]) -> None:
+        """One forward, then append tokens, finish requests, record counters."""
+        for req, token in zip(reqs, self.forward(reqs, num_new)):
+            req.output_ids.append(token)
+            if token in self.stop_ids or len(req.output_ids) >= req.max_new_tokens:
+                req.finished = True
+                release(req, self.alloc)
+        self._record(reqs)
+
+    def generate(self, reqs: list[Request]) -> list[Request]:
+        """Prefill all prompts in one forward, then decode everyone still running, together."""
+        self.step(reqs, [len(r.prompt_ids) for r in reqs])
+        while running := [r for r in reqs if not r.finished]:
+            self.step(running, [1] * len(running))
+        return reqs
+
+    def _record(self, reqs: list[Request]) -> None:
+        live = [r for r in reqs if not r.finished]
+        self.stats.blocks_used.append(self.alloc.num_used)
+        self.stats.wasted_slots.append(sum(r.wasted_slots(self.alloc.block_size) for r in live))
+        self.stats.owners.append({r.request_id: list(r.blocks) for r in live})
