@@ -1,0 +1,27 @@
+"""Every lesson's notebook runs from top to bottom and draws at least one picture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("L*_*.ipynb"))
+
+
+def _param(path: Path):
+    lesson = path.name.split("_")[0].lower()  # "L2_paged.ipynb" -> "l2"
+    return pytest.param(path, id=path.stem, marks=[getattr(pytest.mark, lesson), pytest.mark.points(2)])
+
+
+@pytest.mark.parametrize("path", [_param(p) for p in NOTEBOOKS])
+def test_notebook_executes_and_draws(path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    images = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert images, f"{path.name} drew no picture"
