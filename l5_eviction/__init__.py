@@ -1,0 +1,13 @@
+"""L5: a scheduler with continuous batching that preempts (recompute or swap) when the pool is full."""
+
+from .engine import Engine, StepRecord, WorkItem, generated_ids, make_engine
+from .lifecycle import EngineRequest, State, SwappedKv
+from .policies import POLICIES, ScorePolicy, lru_key, make_policy, priority_key
+from .preempt import MODES, PreemptCounters, Preemptor, trim
+from .scheduler import RequestTooLargeError, Scheduler
+
+__all__ = [
+    "Engine", "StepRecord", "WorkItem", "generated_ids", "make_engine", "EngineRequest", "State",
+    "SwappedKv", "POLICIES", "ScorePolicy", "lru_key", "make_policy", "priority_key", "MODES",
+    "PreemptCounters", "Preemptor", "trim", "RequestTooLargeError", "Scheduler",
+]

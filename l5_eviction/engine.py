@@ -1,0 +1,178 @@
+"""The engine: a workload of requests arriving over time, run step by step to completion.
+
+    step():  arrivals ─► scheduler.schedule() ─► prefill forward (chunks) ─► decode forward
+             ─► commit: advance cur_len, append tokens, finish and free ─► timeline record
+    A step that raises (e.g. inside a layer) is rolled back: cur_len and outputs stay as before
+    the step, blocks reserved for it are trimmed, and the next step simply runs it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from l2_paged import BlockAllocator
+from l3_block_kernel import BlockKvPool, BlockTableRunner
+
+from .lifecycle import EngineRequest, State
+from .policies import make_policy
+from .preempt import Preemptor, trim
+from .scheduler import Scheduler
+
+
+@dataclass
+class WorkItem:
+    """One request of a workload."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 20
+    arrival_step: int = 0
+    priority: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class StepRecord:
+    step: int
+    blocks_used: int
+    blocks_free: int
+    running: int
+    waiting: int
+    swapped: int
+    prefill_tokens: int
+    decode_tokens: int
+    preempted: list[int] = field(default_factory=list)  # request ids preempted during this step
+
+
+class Engine:
+    def __init__(self, model, pool: BlockKvPool, alloc: BlockAllocator, policy: str = "lru",
+                 preempt: str = "recompute", prefill_chunk: int | None = None,
+                 watermark_blocks: int = 1, backend: str | None = None):
+        self.model, self.pool, self.alloc = model, pool, alloc
+        self.runner = BlockTableRunner(model, pool, alloc, backend=backend)
+        self.preemptor = Preemptor(pool, alloc, preempt)
+        self.scheduler = Scheduler(alloc, make_policy(policy, alloc.num_blocks), self.preemptor,
+                                   prefill_chunk, watermark_blocks)
+        self.eos_ids = set(model.config.eos_token_ids)
+        self.requests: dict[int, EngineRequest] = {}
+        self.future: list[EngineRequest] = []  # added with an arrival step still ahead
+        self.timeline: list[StepRecord] = []
+        self.now = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, item: WorkItem) -> EngineRequest:
+        req = EngineRequest(list(item.prompt_ids), item.max_new_tokens, request_id=len(self.requests),
+                            priority=item.priority, arrival_step=max(item.arrival_step, self.now),
+                            stop_token_ids=tuple(item.stop_token_ids))
+        self.scheduler.add(req) if req.arrival_step <= self.now else self._check_and_defer(req)
+        self.requests[req.request_id] = req
+        return req
+
+    def _check_and_defer(self, req: EngineRequest) -> None:
+        self.scheduler.add(req)  # rejects a too-large request now, not when it arrives
+        self.scheduler.waiting.remove(req)
+        self.future.append(req)
+
+    def abort(self, request_id: int) -> None:
+        req = self.requests[request_id]
+        if req.state is State.FINISHED:
+            return
+        if req in self.future:
+            self.future.remove(req)
+        self.scheduler.remove(req)
+        self.preemptor.discard(req)
+        req.state, req.finish_reason = State.FINISHED, "aborted"
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> StepRecord:
+        self._arrivals()
+        plan = self.scheduler.schedule(self.now)
+        before = {req.request_id: req.cur_len for req, _ in plan}
+        try:
+            tokens = self._run(plan)
+        except Exception:
+            self._roll_back(plan, before)
+            raise
+        self._commit(plan, tokens)
+        record = self._record(plan)
+        self.now += 1
+        return record
+
+    def _run(self, plan) -> dict[int, int]:
+        """One forward for prefill chunks, one for decodes; returns request id -> sampled token."""
+        tokens = {}
+        for group in ([p for p in plan if p[1] > 1], [p for p in plan if p[1] == 1]):
+            if group:
+                reqs, num_new = [r for r, _ in group], [n for _, n in group]
+                tokens |= dict(zip((r.request_id for r in reqs), self.runner.forward(reqs, num_new)))
+        return tokens
+
+    def _roll_back(self, plan, before: dict[int, int]) -> None:
+        for req, _ in plan:
+            req.cur_len = before[req.request_id]
+            trim(req, self.alloc)
+
+    def _commit(self, plan, tokens: dict[int, int]) -> None:
+        for req, _ in plan:
+            if req.num_pending == 0:  # the whole history is cached: the token is real
+                req.output_ids.append(tokens[req.request_id])
+                self._maybe_finish(req)
+
+    def _maybe_finish(self, req: EngineRequest) -> None:
+        token = req.output_ids[-1]
+        reason = ("eos" if token in self.eos_ids else "stop" if token in req.stop_token_ids
+                  else "length" if len(req.output_ids) >= req.max_new_tokens else None)
+        if reason:
+            self.scheduler.remove(req)
+            self.preemptor.discard(req)  # frees its blocks now
+            req.state, req.finish_reason = State.FINISHED, reason
+
+    def _arrivals(self) -> None:
+        for req in [r for r in self.future if r.arrival_step <= self.now]:
+            self.future.remove(req)
+            self.scheduler.waiting.append(req)
+
+    # ------------------------------------------------------------------ running a workload
+
+    def has_unfinished(self) -> bool:
+        return any(r.state is not State.FINISHED for r in self.requests.values())
+
+    def run(self, workload: list[WorkItem] = (), max_steps: int = 100_000) -> dict[int, EngineRequest]:
+        for item in workload:
+            self.add_request(item)
+        while self.has_unfinished():
+            if self.now >= max_steps:
+                raise RuntimeError(f"workload not finished after {max_steps} steps")
+            self.step()
+        return self.requests
+
+    # ------------------------------------------------------------------ counters
+
+    def _record(self, plan) -> StepRecord:
+        s = self.scheduler
+        record = StepRecord(
+            step=self.now, blocks_used=self.alloc.num_used, blocks_free=self.alloc.num_free,
+            running=len(s.running), waiting=len(s.waiting), swapped=len(s.swapped),
+            prefill_tokens=sum(n for _, n in plan if n > 1), decode_tokens=sum(1 for _, n in plan if n == 1),
+            preempted=self.preemptor.take_events())
+        self.timeline.append(record)
+        return record
+
+    def summary(self) -> dict:
+        """Totals for reports and JSON."""
+        return {**asdict(self.preemptor.counters),
+                "blocks_total": self.alloc.num_blocks, "blocks_peak_used": self.alloc.peak_used,
+                "blocks_free_at_end": self.alloc.num_free, "steps": self.now,
+                "swapped_copies_left": sum(r.swapped is not None for r in self.requests.values())}
+
+
+def generated_ids(requests: dict[int, EngineRequest]) -> dict[int, list[int]]:
+    return {i: r.output_ids for i, r in requests.items()}
+
+
+def make_engine(model, num_blocks: int, block_size: int = 16, **kwargs) -> Engine:
+    cfg = model.config
+    pool = BlockKvPool(cfg, num_blocks, block_size, model.dtype, model.device)
+    return Engine(model, pool, BlockAllocator(num_blocks, block_size), **kwargs)
+

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""L5 smoke test: a workload larger than the KV pool, run with preemption; every request must end
+with the ids HF gives it alone, and every block must be free at the end."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
+from l1_contiguous import InputError  # noqa: E402
+from l2_paged import blocks_needed  # noqa: E402
+from l3_block_kernel import default_backend, load_block_model  # noqa: E402
+from l5_eviction import MODES, POLICIES, WorkItem, make_engine  # noqa: E402
+
+LESSON = "L5"
+WORKLOAD_PROMPTS = [
+    "In the beginning God created",
+    "And the LORD spake unto Moses, saying",
+    "Blessed are the",
+    "And it came to pass, when the king",
+    "The LORD is my shepherd",
+    "Then said Jesus unto them",
+    "And the children of Israel went",
+    "Hear, O Israel: the LORD our God",
+]
+
+
+def add_options(parser):
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="pool size (default: a quarter of what all requests need together)")
+    parser.add_argument("--policy", choices=POLICIES, default="lru")
+    parser.add_argument("--preempt", choices=MODES, default="recompute")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="at most this many prompt tokens per step (default: no chunking)")
+    parser.add_argument("--backend", choices=["kernel", "reference"], default=None,
+                        help="decode attention (default: kernel on CUDA, reference on CPU)")
+
+
+def workload(args, setup) -> list[WorkItem]:
+    """Given prompts, or the default 8; two arrive per step, so the pool fills while others wait."""
+    if args.prompt or args.prompt_ids or setup.tokenizer is None:
+        prompts = [p.ids for p in setup.prompts]
+    else:
+        prompts = [encode(setup.tokenizer, text) for text in WORKLOAD_PROMPTS]
+    return [WorkItem(ids, setup.max_new_tokens, arrival_step=i // 2, priority=i % 3)
+            for i, ids in enumerate(prompts)]
+
+
+def pool_blocks(args, items: list[WorkItem]) -> int:
+    need = [blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items]
+    num_blocks = args.num_blocks or max(sum(need) // 4, max(need) + 1)
+    if args.block_size < 1 or num_blocks < max(need):
+        raise InputError(f"a pool of {num_blocks} blocks of {args.block_size} cannot hold the largest "
+                         f"request ({max(need)} blocks); raise --num-blocks")
+    return num_blocks
+
+
+def run(args, setup) -> LessonRun:
+    items = workload(args, setup)
+    model = load_block_model(setup.model_dir, setup.dtype, setup.device)
+    backend = args.backend or default_backend(setup.device)
+    engine = make_engine(model, pool_blocks(args, items), args.block_size, policy=args.policy,
+                         preempt=args.preempt, prefill_chunk=args.prefill_chunk, backend=backend)
+    requests = engine.run(items)
+    results = [RequestResult(r.prompt_ids, r.output_ids, label=f"arrives at step {r.arrival_step}")
+               for r in requests.values()]
+    demand = sum(blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items)
+    figures = {"backend": backend, "policy": args.policy, "preempt_mode": args.preempt,
+               "block_size": args.block_size, "blocks_demanded": demand, **engine.summary()}
+    figures["preemptions"] = figures["preempted_recompute"] + figures["preempted_swap"]
+    return LessonRun(results, figures)
+
+
+if __name__ == "__main__":
+    sys.exit(run_smoke(LESSON, __doc__, run, add_options))
