@@ -90,14 +90,17 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, batched: b
     from transformers import GenerationConfig
 
     pad = _pad_id(model)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                              do_sample=False, eos_token_id=None, pad_token_id=pad)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    # eos_token_id=None as a keyword: set inside `config` it would be refilled from the model's
+    # generation_config, and EOS would end a run early.
+    no_stop = {"eos_token_id": None}
     device = model.device
     if not batched:
         outs = []
         for p in prompts:
             ids = torch.tensor([p], device=device)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 generation_config=config, **no_stop)
             outs.append(out[0, len(p):].tolist())
         return outs
     width = max(len(p) for p in prompts)
@@ -106,7 +109,7 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, batched: b
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p, device=device)
         mask[row, width - len(p):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, **no_stop)
     return out[:, width:].tolist()
 
 
