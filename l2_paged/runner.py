@@ -44,8 +44,11 @@ class PagedRunner:
         self.stats = PoolStats(alloc.num_blocks)
 
     @torch.inference_mode()
-    def forward(self, reqs: list[Request], num_new: list[int]) -> list[int]:
-        """Reserve, run the new tokens of `reqs` in one forward, advance cur_len; greedy ids."""
+    def forward_logits(self, reqs: list[Request], num_new: list[int]) -> torch.Tensor:
+        """Reserve, run the new tokens of `reqs` in one forward, advance cur_len.
+
+        Returns the logits of each request's last new token: [len(reqs), vocab].
+        """
         for req, n in zip(reqs, num_new):
             reserve(req, self.alloc, req.cur_len + n)
         input_ids, meta = self.build_meta(reqs, num_new)
@@ -53,7 +56,11 @@ class PagedRunner:
         logits = self.model(input_ids, self.pool, meta, logits_for=last)
         for req, n in zip(reqs, num_new):
             req.cur_len += n
-        return logits.argmax(-1).tolist()
+        return logits
+
+    def forward(self, reqs: list[Request], num_new: list[int]) -> list[int]:
+        """`forward_logits`, then the greedy id of each request."""
+        return self.forward_logits(reqs, num_new).argmax(-1).tolist()
 
     def build_meta(self, reqs: list[Request], num_new: list[int]):
         """Input ids and metadata of one forward; L3 overrides this to add block tables."""

@@ -61,12 +61,15 @@ class Engine:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, item: WorkItem) -> EngineRequest:
-        req = EngineRequest(list(item.prompt_ids), item.max_new_tokens, request_id=len(self.requests),
-                            priority=item.priority, arrival_step=max(item.arrival_step, self.now),
-                            stop_token_ids=tuple(item.stop_token_ids))
+        req = self._new_request(item)
         self.scheduler.add(req) if req.arrival_step <= self.now else self._check_and_defer(req)
         self.requests[req.request_id] = req
         return req
+
+    def _new_request(self, item: WorkItem) -> EngineRequest:
+        return EngineRequest(list(item.prompt_ids), item.max_new_tokens, request_id=len(self.requests),
+                             priority=item.priority, arrival_step=max(item.arrival_step, self.now),
+                             stop_token_ids=tuple(item.stop_token_ids))
 
     def _check_and_defer(self, req: EngineRequest) -> None:
         self.scheduler.add(req)  # rejects a too-large request now, not when it arrives
@@ -105,8 +108,13 @@ class Engine:
         for group in ([p for p in plan if p[1] > 1], [p for p in plan if p[1] == 1]):
             if group:
                 reqs, num_new = [r for r, _ in group], [n for _, n in group]
-                tokens |= dict(zip((r.request_id for r in reqs), self.runner.forward(reqs, num_new)))
+                logits = self.runner.forward_logits(reqs, num_new)
+                tokens |= dict(zip((r.request_id for r in reqs), self._sample(reqs, logits)))
         return tokens
+
+    def _sample(self, reqs: list[EngineRequest], logits) -> list[int]:
+        """Greedy. (L8 adds temperature sampling with a generator per request.)"""
+        return logits.argmax(-1).tolist()
 
     def _roll_back(self, plan, before: dict[int, int]) -> None:
         for req, _ in plan:

@@ -70,15 +70,14 @@ class Scheduler:
     def _make_room(self, req: EngineRequest, n: int, queue: list, now: int) -> bool:
         """Reserve blocks for `n` more tokens of `req`, preempting from `queue` if needed."""
         # BEGIN SOLUTION
-        need = blocks_needed(req.cur_len + n, self.alloc.block_size) - len(req.blocks)
-        while need > self.alloc.num_free:
+        while self._blocks_for(req, n) > self.alloc.num_free:
             if not queue:
                 self._preempt(req)
                 return False
             victim = min(queue, key=lambda r: self.policy(r, now))
             queue.remove(victim)
             self._preempt(victim)
-        reserve(req, self.alloc, req.cur_len + n)
+        self._reserve(req, n)
         return True
         # END SOLUTION
 
@@ -100,16 +99,30 @@ class Scheduler:
         plan = []
         while self.waiting:
             req = self.waiting[0]
-            n = self._tokens_this_step(req, budget)
-            if not n or not self._fits(blocks_needed(req.cur_len + n, self.alloc.block_size) - len(req.blocks)):
+            n = self._try_admit(req, budget)
+            if not n:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            reserve(req, self.alloc, req.cur_len + n)
             req.state = State.RUNNING
             self.running.append(req)
             plan.append((req, n))
             self._spend(budget, n)
         return plan
+
+    def _try_admit(self, req: EngineRequest, budget: list) -> int:
+        """Reserve blocks for the first tokens of a waiting request; 0 (holding nothing) if they don't fit."""
+        n = self._tokens_this_step(req, budget)
+        if not n or not self._fits(self._blocks_for(req, n)):
+            return 0
+        self._reserve(req, n)
+        return n
+
+    def _blocks_for(self, req: EngineRequest, n: int) -> int:
+        """Free blocks needed to compute `n` more tokens of `req`."""
+        return blocks_needed(req.cur_len + n, self.alloc.block_size) - len(req.blocks)
+
+    def _reserve(self, req: EngineRequest, n: int) -> None:
+        reserve(req, self.alloc, req.cur_len + n)
 
     def _fits(self, num_blocks: int) -> bool:
         # The watermark protects running requests; with none running, the whole pool may be used.
