@@ -44,19 +44,24 @@ class StepRecord:
 
 
 class Engine:
+    request_cls = EngineRequest
+
     def __init__(self, model, pool: BlockKvPool, alloc: BlockAllocator, policy: str = "lru",
                  preempt: str = "recompute", prefill_chunk: int | None = None,
                  watermark_blocks: int = 1, backend: str | None = None):
         self.model, self.pool, self.alloc = model, pool, alloc
         self.runner = BlockTableRunner(model, pool, alloc, backend=backend)
         self.preemptor = Preemptor(pool, alloc, preempt)
-        self.scheduler = Scheduler(alloc, make_policy(policy, alloc.num_blocks), self.preemptor,
-                                   prefill_chunk, watermark_blocks)
+        self.scheduler = self._make_scheduler(make_policy(policy, alloc.num_blocks), prefill_chunk,
+                                              watermark_blocks)
         self.eos_ids = set(model.config.eos_token_ids)
         self.requests: dict[int, EngineRequest] = {}
         self.future: list[EngineRequest] = []  # added with an arrival step still ahead
         self.timeline: list[StepRecord] = []
         self.now = 0
+
+    def _make_scheduler(self, policy, prefill_chunk, watermark_blocks) -> Scheduler:
+        return Scheduler(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -67,9 +72,9 @@ class Engine:
         return req
 
     def _new_request(self, item: WorkItem) -> EngineRequest:
-        return EngineRequest(list(item.prompt_ids), item.max_new_tokens, request_id=len(self.requests),
-                             priority=item.priority, arrival_step=max(item.arrival_step, self.now),
-                             stop_token_ids=tuple(item.stop_token_ids))
+        return self.request_cls(list(item.prompt_ids), item.max_new_tokens, request_id=len(self.requests),
+                                priority=item.priority, arrival_step=max(item.arrival_step, self.now),
+                                stop_token_ids=tuple(item.stop_token_ids))
 
     def _check_and_defer(self, req: EngineRequest) -> None:
         self.scheduler.add(req)  # rejects a too-large request now, not when it arrives

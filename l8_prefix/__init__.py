@@ -1,0 +1,13 @@
+"""L8: prefix sharing with hashed full blocks, reference counts, copy-on-write and n > 1 samples."""
+
+from .block_hash import block_key, chain_keys
+from .cow import copy_on_write, shared_write_block
+from .engine import (PrefixCounters, PrefixEngine, PrefixRequest, PrefixScheduler, SampledWorkItem, draw,
+                     make_prefix_engine)
+from .prefix_allocator import PrefixBlockAllocator
+
+__all__ = [
+    "block_key", "chain_keys", "copy_on_write", "shared_write_block", "PrefixCounters", "PrefixEngine",
+    "PrefixRequest", "PrefixScheduler", "SampledWorkItem", "draw", "make_prefix_engine",
+    "PrefixBlockAllocator",
+]
