@@ -1,0 +1,79 @@
+// PyTorch binding of the paged-attention launcher: checks the tensors, fills the launcher's
+// arguments, and queues the kernel on the current CUDA stream. paged_attention.py checks the
+// inputs with friendlier messages first; these checks guard anyone who calls forward() directly.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include "paged_attention.h"
+
+namespace {
+
+KvDtype kv_dtype(const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kFloat16) return KvDtype::kFloat16;
+  if (t.scalar_type() == torch::kBFloat16) return KvDtype::kBFloat16;
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32,
+              "paged_attention: dtype must be float32, float16 or bfloat16, got ", t.scalar_type());
+  return KvDtype::kFloat32;
+}
+
+void check_tensor(const torch::Tensor& t, const char* name, const torch::Tensor& q, int64_t dim) {
+  TORCH_CHECK(t.device() == q.device(), "paged_attention: ", name, " must be on ", q.device(),
+              ", got ", t.device());
+  TORCH_CHECK(t.dim() == dim, "paged_attention: ", name, " must have ", dim, " dimensions, got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), "paged_attention: ", name, " must be contiguous");
+}
+
+}  // namespace
+
+// q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
+// head_dim]; block_tables int32 [num_seqs, max_blocks_per_seq]; context_lens int32 [num_seqs].
+// Returns out [num_seqs, num_heads, head_dim] in q's dtype.
+torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k_cache,
+                      const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                      const torch::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.is_cuda(), "paged_attention: q must be a CUDA tensor, got ", q.device());
+  check_tensor(q, "q", q, 3);
+  check_tensor(k_cache, "k_cache", q, 4);
+  check_tensor(v_cache, "v_cache", q, 4);
+  check_tensor(block_tables, "block_tables", q, 2);
+  check_tensor(context_lens, "context_lens", q, 1);
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged_attention: k_cache ", k_cache.sizes(),
+              " and v_cache ", v_cache.sizes(), " differ in shape");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_attention: q, k_cache and v_cache must share one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 &&
+                  context_lens.scalar_type() == torch::kInt32,
+              "paged_attention: block_tables and context_lens must be int32");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "paged_attention: head_dim of q and k_cache differ");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+              "paged_attention: block_tables and context_lens need one row per sequence of q");
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  torch::Tensor out = torch::empty_like(q);
+  PagedAttentionArgs args{};
+  args.out = out.data_ptr();
+  args.q = q.data_ptr();
+  args.k_cache = k_cache.data_ptr();
+  args.v_cache = v_cache.data_ptr();
+  args.block_tables = block_tables.data_ptr<int32_t>();
+  args.context_lens = context_lens.data_ptr<int32_t>();
+  args.num_seqs = static_cast<int>(q.size(0));
+  args.num_heads = static_cast<int>(q.size(1));
+  args.num_kv_heads = static_cast<int>(k_cache.size(2));
+  args.head_dim = static_cast<int>(q.size(2));
+  args.block_size = static_cast<int>(k_cache.size(1));
+  args.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  args.scale = static_cast<float>(scale);
+  args.dtype = kv_dtype(q);
+  const char* error = paged_attention_launch(args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(error == nullptr, error);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "Paged-attention decode over a block-tensor KV pool (see paged_attention.h)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("scale"));
+}

@@ -1,0 +1,332 @@
+// Paged-attention decode kernel: the one new query token of each sequence attends to that
+// sequence's whole history, read in place from the block-tensor KV pool by walking the
+// sequence's block table (layouts: paged_attention.h). Plain CUDA C++, no torch headers.
+//
+// Thread mapping
+//   grid   (num_seqs, num_heads / HEADS_PER_BLOCK): a thread block serves HEADS_PER_BLOCK query
+//          heads that share one KV head. Decode attention is memory-bound, so a block that
+//          serves a whole GQA group reads each KV byte once for all the group's heads.
+//   block  8 warps. Warp w takes the tiles w, w + 8, w + 16, ... of 8 consecutive positions.
+//          A tile never straddles two KV blocks, because 8 divides every allowed block size.
+//   lane   owns head_dim / 32 consecutive elements of every q, K, V and output row, so a warp
+//          loads one position's K row (or V row) with one coalesced access (head_dim 128 in
+//          bf16: 4 elements, 8 bytes a lane, 256 contiguous bytes a warp).
+//
+// For each tile a warp reads one block-table entry, loads 8 K rows and 8 V rows (positions past
+// context_len are never loaded), computes 8 scores per head, and folds them into its running
+// softmax state (online softmax). At the end the 8 warps merge their states in shared memory.
+//
+// NOTE: one thread block per (sequence, GQA group) keeps the kernel simple, but it gives the GPU
+// only num_seqs * num_kv_heads blocks: enough at batch 32 with 8 KV heads (256 blocks), too few
+// to reach full bandwidth at batch 1. Splitting a long context across several thread blocks
+// and merging their softmax states in a second kernel (flash-decoding) would fix that.
+
+#include "paged_attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kNumWarps = 8;
+constexpr int kThreads = kNumWarps * kWarpSize;
+// NOTE: a warp issues the K and V loads of a whole tile before it uses any of them, so each lane
+// has 2 * kTileTokens loads in flight; that is what hides the latency of global memory.
+constexpr int kTileTokens = 8;
+constexpr int kMinBlockSize = kTileTokens;
+constexpr int kMaxBlockSize = 128;
+// NOTE: two resident blocks per SM (so at most 128 registers a thread) let the 256 blocks of
+// batch 32 x 8 KV heads run in one wave on an H100's 132 SMs. With 4 or 8 heads a block the
+// state is larger; forcing the limit there would spill registers to local memory.
+template <int HEADS_PER_BLOCK>
+constexpr int kMinBlocksPerSm = HEADS_PER_BLOCK <= 2 ? 2 : 1;
+constexpr int kAlignment = 16;  // bytes; enough for the widest Vec (4 floats)
+// NOTE: scores are kept in log2 units (q is scaled by log2(e) once), so every exponential is an
+// exp2f, which the GPU's special-function unit computes directly (expf needs an extra multiply):
+// exp(x - m) == exp2(x * log2(e) - m * log2(e)).
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// N consecutive elements of a row; alignas lets the compiler move them with one vector load.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T e[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* __restrict__ src) {
+  return *reinterpret_cast<const Vec<T, N>*>(src);
+}
+
+// Butterfly reduction: after 5 exchanges every lane holds the sum over the 32 lanes.
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  }
+  return x;
+}
+
+// A warp's online-softmax state for each of its heads, over the positions it has seen so far.
+// m and l are the same in every lane; acc holds the lane's slice of head_dim.
+template <int HEADS, int ELEMS>
+struct SoftmaxState {
+  float m[HEADS];           // running max score (log2 units); -inf before the first tile
+  float l[HEADS];           // running sum of exp2(score - m)
+  float acc[HEADS][ELEMS];  // running sum of exp2(score - m) * v
+};
+
+template <int HEADS, int ELEMS>
+__device__ __forceinline__ void init_state(SoftmaxState<HEADS, ELEMS>& st) {
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h) {
+    st.m[h] = -INFINITY;
+    st.l[h] = 0.f;
+#pragma unroll
+    for (int e = 0; e < ELEMS; ++e) st.acc[h][e] = 0.f;
+  }
+}
+
+// The lane's slice of each head's query, scaled by scale_log2 = softmax scale * log2(e).
+template <typename T, int HEADS, int ELEMS>
+__device__ __forceinline__ void load_query(
+    const T* __restrict__ q_rows,  // [HEADS, head_dim] at the block's first head, + lane offset
+    int head_dim, float scale_log2, float (&q)[HEADS][ELEMS]) {
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h) {
+    const Vec<T, ELEMS> raw = load_vec<T, ELEMS>(q_rows + h * head_dim);
+#pragma unroll
+    for (int e = 0; e < ELEMS; ++e) q[h][e] = to_float(raw.e[e]) * scale_log2;
+  }
+}
+
+// Scores of one tile: s[h][u] = q_h . k_u summed over the warp, -inf where u >= num_valid.
+template <typename T, int HEADS, int ELEMS>
+__device__ __forceinline__ void tile_scores(
+    const float (&q)[HEADS][ELEMS], const Vec<T, ELEMS> (&k)[kTileTokens], int num_valid,
+    float (&s)[HEADS][kTileTokens]) {
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h) {
+#pragma unroll
+    for (int u = 0; u < kTileTokens; ++u) {
+      float partial = 0.f;
+#pragma unroll
+      for (int e = 0; e < ELEMS; ++e) partial += q[h][e] * to_float(k[u].e[e]);
+      const float score = warp_sum(partial);  // every lane takes part, masked or not
+      s[h][u] = u < num_valid ? score : -INFINITY;
+    }
+  }
+}
+
+// Folds one tile into the running state: raise m to the tile's max, rescale l and acc by
+// exp2(m_old - m_new), then add each position's weight p = exp2(s - m_new) and p * v.
+// A masked position has s = -inf, so p = 0, and its v was never loaded (it is zero), so a NaN
+// stored in its slot cannot reach the result: 0 * NaN would be NaN.
+template <typename T, int HEADS, int ELEMS>
+__device__ __forceinline__ void update_state(
+    const float (&s)[HEADS][kTileTokens], const Vec<T, ELEMS> (&v)[kTileTokens],
+    SoftmaxState<HEADS, ELEMS>& st) {
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h) {
+    float m_new = st.m[h];
+#pragma unroll
+    for (int u = 0; u < kTileTokens; ++u) m_new = fmaxf(m_new, s[h][u]);
+    const float rescale = exp2f(st.m[h] - m_new);  // 0 on the first tile, where m = -inf
+    st.m[h] = m_new;
+    st.l[h] *= rescale;
+#pragma unroll
+    for (int e = 0; e < ELEMS; ++e) st.acc[h][e] *= rescale;
+  }
+#pragma unroll
+  for (int u = 0; u < kTileTokens; ++u) {
+    float v_u[ELEMS];
+#pragma unroll
+    for (int e = 0; e < ELEMS; ++e) v_u[e] = to_float(v[u].e[e]);
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+      const float p = exp2f(s[h][u] - st.m[h]);
+      st.l[h] += p;
+#pragma unroll
+      for (int e = 0; e < ELEMS; ++e) st.acc[h][e] += p * v_u[e];
+    }
+  }
+}
+
+// One tile of up to kTileTokens consecutive positions, all in the same KV block.
+template <typename T, int HEADS, int ELEMS>
+__device__ __forceinline__ void attend_tile(
+    const float (&q)[HEADS][ELEMS],
+    const T* __restrict__ k_rows,  // the tile's first K row, + lane offset; row u at u * row_stride
+    const T* __restrict__ v_rows,  // the same for V
+    int64_t row_stride,            // num_kv_heads * head_dim: from one position to the next
+    int num_valid,                 // positions of the tile below context_len, 1..kTileTokens
+    SoftmaxState<HEADS, ELEMS>& st) {
+  Vec<T, ELEMS> k[kTileTokens];
+  Vec<T, ELEMS> v[kTileTokens];
+#pragma unroll
+  for (int u = 0; u < kTileTokens; ++u) {
+    // Positions past context_len are not loaded at all: their slots may belong to no one yet.
+    k[u] = u < num_valid ? load_vec<T, ELEMS>(k_rows + u * row_stride) : Vec<T, ELEMS>{};
+    v[u] = u < num_valid ? load_vec<T, ELEMS>(v_rows + u * row_stride) : Vec<T, ELEMS>{};
+  }
+  float s[HEADS][kTileTokens];
+  tile_scores<T>(q, k, num_valid, s);
+  update_state<T>(s, v, st);
+}
+
+// Merges the warps' states and writes the block's HEADS output rows.
+template <typename T, int HEAD_DIM, int HEADS, int ELEMS>
+__device__ __forceinline__ void merge_warps_and_store(
+    const SoftmaxState<HEADS, ELEMS>& st,
+    T* __restrict__ out_rows) {  // [HEADS, HEAD_DIM] at the block's first head
+  __shared__ float warp_m[kNumWarps][HEADS];
+  __shared__ float warp_l[kNumWarps][HEADS];
+  __shared__ float warp_acc[kNumWarps][HEADS][HEAD_DIM];
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h) {
+    if (lane == 0) {
+      warp_m[warp][h] = st.m[h];
+      warp_l[warp][h] = st.l[h];
+    }
+#pragma unroll
+    for (int e = 0; e < ELEMS; ++e) warp_acc[warp][h][lane * ELEMS + e] = st.acc[h][e];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < HEADS * HEAD_DIM; i += kThreads) {
+    const int h = i / HEAD_DIM;
+    const int d = i % HEAD_DIM;
+    float m = -INFINITY;
+    for (int w = 0; w < kNumWarps; ++w) m = fmaxf(m, warp_m[w][h]);
+    float l = 0.f;
+    float o = 0.f;
+    for (int w = 0; w < kNumWarps; ++w) {
+      // A warp that saw no position has m = -inf, hence weight 0 (and l = acc = 0).
+      const float weight = exp2f(warp_m[w][h] - m);
+      l += weight * warp_l[w][h];
+      o += weight * warp_acc[w][h][d];
+    }
+    out_rows[i] = from_float<T>(o / l);  // l >= 1: the warp that holds the max adds exp2(0)
+  }
+}
+
+template <typename T, int HEAD_DIM, int HEADS_PER_BLOCK>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) paged_attention_kernel(
+    T* __restrict__ out,                       // [num_seqs, num_heads, HEAD_DIM]
+    const T* __restrict__ q,                   // [num_seqs, num_heads, HEAD_DIM]
+    const T* __restrict__ k_cache,             // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    const T* __restrict__ v_cache,             // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    const int32_t* __restrict__ block_tables,  // [num_seqs, max_blocks_per_seq]
+    const int32_t* __restrict__ context_lens,  // [num_seqs]
+    int num_heads, int num_kv_heads, int block_size, int max_blocks_per_seq,
+    float scale_log2) {                        // softmax scale * log2(e)
+  constexpr int kElems = HEAD_DIM / kWarpSize;  // elements of a row that one lane owns
+  const int seq = blockIdx.x;
+  const int first_head = blockIdx.y * HEADS_PER_BLOCK;
+  const int kv_head = first_head / (num_heads / num_kv_heads);
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int32_t* block_table = block_tables + int64_t(seq) * max_blocks_per_seq;  // [max_blocks_per_seq]
+  // NOTE: the host checks every length; the clamp only keeps a bad one from reading past the row.
+  const int context_len = min(context_lens[seq], max_blocks_per_seq * block_size);
+  const int64_t first_row = int64_t(seq) * num_heads + first_head;  // q/out row of the first head
+
+  float q_reg[HEADS_PER_BLOCK][kElems];
+  load_query<T>(q + first_row * HEAD_DIM + lane * kElems, HEAD_DIM, scale_log2, q_reg);
+  SoftmaxState<HEADS_PER_BLOCK, kElems> state;
+  init_state(state);
+
+  const int64_t row_stride = int64_t(num_kv_heads) * HEAD_DIM;
+  const int num_tiles = (context_len + kTileTokens - 1) / kTileTokens;
+  for (int tile = warp; tile < num_tiles; tile += kNumWarps) {
+    const int start = tile * kTileTokens;  // first position of the tile
+    // NOTE: int64 from here on: num_blocks * block_size * num_kv_heads * head_dim can pass 2^31.
+    const int64_t block_id = block_table[start / block_size];
+    const int64_t slot = block_id * block_size + start % block_size;  // the course's slot convention
+    const int64_t offset = slot * row_stride + kv_head * HEAD_DIM + lane * kElems;
+    const int num_valid = min(kTileTokens, context_len - start);
+    attend_tile<T>(q_reg, k_cache + offset, v_cache + offset, row_stride, num_valid, state);
+  }
+  merge_warps_and_store<T, HEAD_DIM>(state, out + first_row * HEAD_DIM);
+}
+
+template <typename T, int HEAD_DIM, int HEADS_PER_BLOCK>
+const char* launch(const PagedAttentionArgs& a, cudaStream_t stream) {
+  const dim3 grid(a.num_seqs, a.num_heads / HEADS_PER_BLOCK);
+  paged_attention_kernel<T, HEAD_DIM, HEADS_PER_BLOCK><<<grid, kThreads, 0, stream>>>(
+      static_cast<T*>(a.out), static_cast<const T*>(a.q), static_cast<const T*>(a.k_cache),
+      static_cast<const T*>(a.v_cache), a.block_tables, a.context_lens, a.num_heads,
+      a.num_kv_heads, a.block_size, a.max_blocks_per_seq, a.scale * kLog2e);
+  const cudaError_t error = cudaGetLastError();
+  return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
+}
+
+// A block serves the largest of 8, 4, 2, 1 query heads that divides the GQA group. Groups of
+// 1, 2, 4 and 8 are served whole; a group of 6 takes 3 blocks of 2 heads, each reading the KV.
+template <typename T, int HEAD_DIM>
+const char* launch_for_group(const PagedAttentionArgs& a, cudaStream_t stream) {
+  const int group = a.num_heads / a.num_kv_heads;
+  if (group % 8 == 0) return launch<T, HEAD_DIM, 8>(a, stream);
+  if (group % 4 == 0) return launch<T, HEAD_DIM, 4>(a, stream);
+  if (group % 2 == 0) return launch<T, HEAD_DIM, 2>(a, stream);
+  return launch<T, HEAD_DIM, 1>(a, stream);
+}
+
+template <typename T>
+const char* launch_for_head_dim(const PagedAttentionArgs& a, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 32: return launch_for_group<T, 32>(a, stream);
+    case 64: return launch_for_group<T, 64>(a, stream);
+    case 128: return launch_for_group<T, 128>(a, stream);
+    default: return "paged_attention: head_dim must be 32, 64 or 128";
+  }
+}
+
+bool is_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlignment == 0; }
+
+const char* check_args(const PagedAttentionArgs& a) {
+  if (a.num_seqs < 0 || a.num_heads <= 0 || a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads) {
+    return "paged_attention: num_heads must be a positive multiple of num_kv_heads";
+  }
+  const bool power_of_two = (a.block_size & (a.block_size - 1)) == 0;
+  if (!power_of_two || a.block_size < kMinBlockSize || a.block_size > kMaxBlockSize) {
+    return "paged_attention: block_size must be a power of two from 8 to 128";
+  }
+  if (a.max_blocks_per_seq < 1) return "paged_attention: block_tables needs at least one column";
+  if (!is_aligned(a.out) || !is_aligned(a.q) || !is_aligned(a.k_cache) || !is_aligned(a.v_cache)) {
+    return "paged_attention: out, q, k_cache and v_cache must start on a 16-byte boundary";
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+const char* paged_attention_launch(const PagedAttentionArgs& args, cudaStream_t stream) {
+  if (const char* error = check_args(args)) return error;
+  if (args.num_seqs == 0) return nullptr;  // an empty batch: nothing to launch
+  switch (args.dtype) {
+    case KvDtype::kFloat32: return launch_for_head_dim<float>(args, stream);
+    case KvDtype::kFloat16: return launch_for_head_dim<__half>(args, stream);
+    case KvDtype::kBFloat16: return launch_for_head_dim<__nv_bfloat16>(args, stream);
+  }
+  return "paged_attention: dtype must be float32, float16 or bfloat16";
+}

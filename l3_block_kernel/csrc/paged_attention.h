@@ -1,0 +1,40 @@
+// Paged-attention decode: the launcher's interface, free of torch so that plain nvcc compiles it.
+//
+// The KV pool of one layer is a block tensor; a sequence's history lives in the blocks its row
+// of the block table names, in order:
+//
+//   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+//   block_tables      [num_seqs, max_blocks_per_seq]   row s: the block ids of sequence s
+//   context_lens      [num_seqs]                       position p of sequence s is stored at
+//                                                      block block_tables[s][p / block_size],
+//                                                      row p % block_size
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+enum class KvDtype { kFloat32, kFloat16, kBFloat16 };
+
+// Every tensor is contiguous and row-major; every pointer is on the device.
+struct PagedAttentionArgs {
+  void* out;                    // [num_seqs, num_heads, head_dim], written
+  const void* q;                // [num_seqs, num_heads, head_dim], one decode token per sequence
+  const void* k_cache;          // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* v_cache;          // [num_blocks, block_size, num_kv_heads, head_dim]
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]; entries past a sequence's
+                                // ceil(context_len / block_size) are padding and never read
+  const int32_t* context_lens;  // [num_seqs], each in [1, max_blocks_per_seq * block_size]
+  int num_seqs;
+  int num_heads;
+  int num_kv_heads;             // divides num_heads (GQA)
+  int head_dim;                 // 32, 64 or 128
+  int block_size;               // a power of two from 8 to 128
+  int max_blocks_per_seq;
+  float scale;                  // softmax scale, usually 1 / sqrt(head_dim)
+  KvDtype dtype;                // of out, q, k_cache and v_cache alike
+};
+
+// Queues the kernel on `stream`. Returns nullptr on success, else a static one-line message
+// (an unsupported size, a misaligned pointer, or the CUDA launch error).
+const char* paged_attention_launch(const PagedAttentionArgs& args, cudaStream_t stream);

@@ -1,0 +1,212 @@
+"""L3's read path: decode attention that walks each sequence's block table.
+
+    k_cache, v_cache (one layer)   [num_blocks, block_size, H_kv, D]
+    ┌─────────┬─────────┬─────────┬─────────┬─────────┬─── ··· ─┐
+    │ block 0 │ block 1 │ block 2 │ block 3 │ block 4 │         │
+    └─────────┴─────────┴─────────┴─────────┴─────────┴─── ··· ─┘
+    block_tables int32 [num_seqs, max_blocks]     context_lens int32 [num_seqs]
+        seq 0: [ 3,  0, -1 ]                          seq 0: 20     (-1: padding, never read)
+        seq 1: [ 1,  4,  2 ]                          seq 1: 40
+    with block_size 16, position 17 of seq 0 is row 17 % 16 = 1 of block 0 = block_tables[0, 17 // 16],
+    i.e. slot 0 * 16 + 1 of the flat view [num_blocks * block_size, H_kv, D] that L2's writes use.
+
+One algorithm, two implementations:
+- `paged_attention_reference`: PyTorch, runs anywhere; the oracle for the kernel.
+- the CUDA kernel in csrc/paged_attention.cu, built on first use by `load_extension()`.
+`paged_attention` checks the inputs and picks one.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from l1_contiguous.errors import InputError
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+KERNEL_SOURCE = CSRC_DIR / "paged_attention.cu"  # plain CUDA, compiles with `nvcc -c` alone
+BINDING_SOURCE = CSRC_DIR / "binding.cpp"
+EXTENSION_NAME = "l3_paged_attention"
+KERNEL_HEAD_DIMS = (32, 64, 128)
+KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BACKENDS = ("auto", "kernel", "reference")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    scale: float | None = None, backend: str = "auto", *,
+                    check_values: bool = True) -> torch.Tensor:
+    """Decode attention: each sequence's one query token attends to its first context_len positions.
+
+    q [num_seqs, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] (contiguous);
+    block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs].
+    Returns [num_seqs, H, D] in q's dtype. scale defaults to 1 / sqrt(D).
+
+    backend: "kernel" (CUDA), "reference" (PyTorch), or "auto": the kernel when q is on CUDA and
+    `kernel_unsupported_reason` finds nothing against it, else the reference.
+    check_values: also check every length and every block id a sequence uses. On CUDA this reads
+    the tables back to the host (a sync), so a hot loop whose tables were built and checked on
+    the host passes False.
+    """
+    check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    if check_values:
+        check_table_values(k_cache, block_tables, context_lens)
+    use_kernel = _pick_backend(backend, q, k_cache) == "kernel"
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    if use_kernel:
+        return load_extension().forward(q.contiguous(), k_cache, v_cache, block_tables.contiguous(),
+                                        context_lens.contiguous(), scale)
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              scale: float | None = None) -> torch.Tensor:
+    """The kernel's algorithm in PyTorch: walk the block tables block by block, online softmax.
+
+    Shapes as in `paged_attention`. All sequences and heads move together; the loop runs over
+    block index j, up to the longest sequence's block count. Math in float32 (float64 for
+    float64 inputs, so that a test can check the algorithm to 1e-12).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    # BEGIN SOLUTION
+    math_dtype = torch.promote_types(q.dtype, torch.float32)
+    group = num_heads // num_kv_heads
+    # [S, H_kv, G, D]: query head h is row h % G of KV head h // G's group, as in the kernel.
+    q_grouped = q.to(math_dtype).view(num_seqs, num_kv_heads, group, head_dim) * scale
+    lens = context_lens.long()
+    m = torch.full(q_grouped.shape[:3], float("-inf"), dtype=math_dtype, device=q.device)  # running max
+    l = torch.zeros_like(m)                                     # running sum of exp(score - m)
+    acc = torch.zeros_like(q_grouped)                           # running sum of exp(score - m) * v
+    max_len = int(lens.max()) if num_seqs else 0
+    for j in range(-(-max_len // block_size)):
+        k, v, valid = _read_block(k_cache, v_cache, block_tables, lens, j, math_dtype)
+        scores = torch.einsum("skgd,sbkd->skgb", q_grouped, k)  # [S, H_kv, G, block_size]
+        scores = torch.where(valid[:, None, None, :], scores, float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1))
+        rescale = torch.exp(m - m_new)                           # 0 at j = 0, where m = -inf
+        p = torch.exp(scores - m_new[..., None])                 # 0 where masked
+        l = l * rescale + p.sum(-1)
+        acc = acc * rescale[..., None] + torch.einsum("skgb,sbkd->skgd", p, v)
+        m = m_new
+    return (acc / l[..., None]).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    # END SOLUTION
+
+
+def _read_block(k_cache, v_cache, block_tables, lens, j, math_dtype):
+    """Block j of every sequence: k, v [S, block_size, H_kv, D] and valid [S, block_size].
+
+    A sequence shorter than j + 1 blocks has padding at block_tables[:, j] (maybe -1), so block 0
+    stands in for it, fully masked. Masked V rows are zeroed: their slots may hold NaN, and a
+    weight of 0 times NaN is still NaN.
+    """
+    # BEGIN SOLUTION
+    block_size = k_cache.shape[1]
+    positions = j * block_size + torch.arange(block_size, device=lens.device)  # [block_size]
+    valid = positions[None, :] < lens[:, None]                                  # [S, block_size]
+    block_ids = torch.where(valid[:, 0], block_tables[:, j].long(), 0)          # [S]
+    k = k_cache[block_ids].to(math_dtype)
+    v = torch.where(valid[:, :, None, None], v_cache[block_ids].to(math_dtype), 0.0)
+    return k, v, valid
+    # END SOLUTION
+
+
+def check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    """Shapes, dtypes and devices (no GPU sync); raises InputError (a ValueError) naming what was expected."""
+    _check_pool(q, k_cache, v_cache)
+    num_seqs = q.shape[0]
+    _expect(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and len(block_tables) == num_seqs,
+            f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks]", block_tables)
+    _expect(context_lens.dtype == torch.int32 and tuple(context_lens.shape) == (num_seqs,),
+            f"context_lens must be int32 [num_seqs={num_seqs}]", context_lens)
+    named = {"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "context_lens": context_lens}
+    for name, t in named.items():
+        _expect(t.device == q.device, f"{name} must be on q's device {q.device}", t)
+
+
+def _check_pool(q, k_cache, v_cache) -> None:
+    _expect(q.dim() == 3 and q.dtype.is_floating_point, "q must be a float [num_seqs, num_heads, head_dim]", q)
+    num_heads, head_dim = q.shape[1:]
+    _expect(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]", k_cache)
+    _expect(v_cache.shape == k_cache.shape, f"v_cache must have k_cache's shape {tuple(k_cache.shape)}", v_cache)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _expect(cache.dtype == q.dtype, f"{name} must have q's dtype {q.dtype}", cache)
+        _expect(cache.is_contiguous(), f"{name} must be contiguous (the kernel walks its memory)", cache)
+    _expect(k_cache.shape[3] == head_dim, f"k_cache must have q's head_dim {head_dim} as its last size", k_cache)
+    _expect(num_heads % k_cache.shape[2] == 0,
+            f"q's num_heads ({num_heads}) must be a multiple of k_cache's num_kv_heads ({k_cache.shape[2]})", q)
+
+
+def check_table_values(k_cache, block_tables, context_lens) -> None:
+    """Each length in [1, max_blocks * block_size]; each block id a sequence uses in [0, num_blocks)."""
+    num_blocks, block_size = k_cache.shape[:2]
+    capacity = block_tables.shape[1] * block_size
+    lens = context_lens.long()
+    bad_len = ((lens < 1) | (lens > capacity)).nonzero()
+    if len(bad_len):
+        s = int(bad_len[0])
+        raise InputError(f"context_lens must be in [1, {capacity}] (block_tables has {block_tables.shape[1]} "
+                         f"columns of block_size {block_size}), got {int(lens[s])} for sequence {s}")
+    columns = torch.arange(block_tables.shape[1], device=lens.device)
+    used = columns[None, :] < -(-lens[:, None] // block_size)  # [num_seqs, max_blocks]
+    bad_id = (used & ((block_tables < 0) | (block_tables >= num_blocks))).nonzero()
+    if len(bad_id):
+        s, j = (int(i) for i in bad_id[0])
+        raise InputError(f"block_tables[{s}, {j}] = {int(block_tables[s, j])} is not a block id in "
+                         f"[0, {num_blocks}), but sequence {s} (context_len {int(lens[s])}) reads it")
+
+
+def kernel_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
+    """Why the CUDA kernel cannot take these (already checked) inputs, or None when it can."""
+    if not q.is_cuda:
+        return f"the tensors are on {q.device}, the kernel needs CUDA"
+    if q.dtype not in KERNEL_DTYPES:
+        return f"dtype {q.dtype} is not one of float32, float16, bfloat16"
+    if q.shape[-1] not in KERNEL_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} is not one of {KERNEL_HEAD_DIMS}"
+    if k_cache.shape[1] not in KERNEL_BLOCK_SIZES:
+        return f"block_size {k_cache.shape[1]} is not one of {KERNEL_BLOCK_SIZES}"
+    return None
+
+
+def _pick_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    reason = kernel_unsupported_reason(q, k_cache)
+    if backend == "auto":
+        return "kernel" if reason is None else "reference"
+    if backend == "kernel" and reason is not None:
+        raise InputError(f"backend='kernel' cannot run this call: {reason}; use backend='reference'")
+    return backend
+
+
+@functools.lru_cache(maxsize=None)
+def load_extension():
+    """Builds the CUDA extension on first use (a minute or so), then returns the cached module.
+
+    torch keeps the build under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) and
+    rebuilds only when a source changes, so a later process loads it in about a second.
+    """
+    from torch.utils import cpp_extension
+
+    try:
+        # NOTE: -O3 without --use_fast_math: fast math would flush denormals and turn the final
+        # division into an approximation, and the kernel is memory-bound, so it would gain nothing.
+        return cpp_extension.load(name=EXTENSION_NAME, sources=[str(BINDING_SOURCE), str(KERNEL_SOURCE)],
+                                  extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])
+    except Exception as exc:  # a compiler error, no nvcc, or a CPU-only build of torch
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RuntimeError(f"cannot build the L3 CUDA extension ({first_line}); it needs a CUDA build of "
+                           "torch and nvcc (set CUDA_HOME); use backend='reference' meanwhile") from exc
+
+
+def _expect(ok: bool, what: str, tensor: torch.Tensor) -> None:
+    if not ok:
+        raise InputError(f"{what}, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")

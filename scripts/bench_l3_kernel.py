@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""L3 benchmark: decode attention alone, the block-table kernel against two SDPA baselines.
+
+Qwen3-0.6B shapes: 16 query heads, 8 KV heads, head_dim 128; one query token per sequence, every
+sequence `context` tokens long, its blocks shuffled through the pool. Per case:
+  kernel_us       the CUDA kernel walking the block tables (on CPU: the PyTorch reference path)
+  gather_sdpa_us  L2's read: k_flat[kv_indices] padded to the longest context, a key-padding mask,
+                  then SDPA with enable_gqa; the gather copies the whole history every call
+  contig_sdpa_us  SDPA on K/V already laid out as [B, H_kv, L, D]: no gather, the bar to meet
+  kv_MB, GB/s     bytes of K and V the kernel must read (2 * sum(context_lens) * H_kv * D * elem
+                  size) and that over the kernel's time; pct_peak: against the device's peak
+Target (issue 5): batch 32, context 2048, bf16 on a GPU: >= 70% of peak HBM bandwidth and no
+slower than SDPA on contiguous KV.
+
+    python scripts/bench_l3_kernel.py                               # cuda: bf16, full grid
+    python scripts/bench_l3_kernel.py --device cpu                  # reference path, small grid
+    python scripts/bench_l3_kernel.py --batches 32 --contexts 2048 --json l3_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from harness.benchmark import print_table, timed  # noqa: E402
+from harness.smoke import DTYPES  # noqa: E402
+from l1_contiguous import InputError  # noqa: E402
+from l3_block_kernel.paged_attention import paged_attention  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
+TARGET_BATCH, TARGET_CONTEXT, TARGET_FRACTION = 32, 2048, 0.70
+# (substring of torch.cuda.get_device_name(), lowercased; peak HBM GB/s from the data sheet).
+# First match wins, so the longer names come first ("a100" before "a10", "l40" before "l4").
+PEAK_GBPS = [
+    ("h200", 4800), ("h100 nvl", 3900), ("h100 pcie", 2000), ("h100", 3350),  # H100 SXM: "H100 80GB HBM3"
+    ("a100-sxm4-80gb", 2039), ("a100 80gb pcie", 1935), ("a100", 1555),
+    ("l40", 864), ("l4", 300), ("a10", 600), ("rtx 4090", 1008), ("rtx 3090", 936),
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--batches", default=None, help="comma list; default 1,8,32,128 (cuda) or 1,8 (cpu)")
+    p.add_argument("--contexts", default=None, help="comma list; default 512,2048,8192 (cuda) or 512,2048 (cpu)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (kernel: 8..128, power of 2)")
+    p.add_argument("--repeat", type=int, default=None, help="timed runs per measurement; default 20 (cuda), 3 (cpu)")
+    p.add_argument("--peak-gbps", type=float, default=None, help="the device's peak memory bandwidth, GB/s")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the rows to PATH")
+    args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    on_cuda = args.device == "cuda"
+    args.dtype = DTYPES[args.dtype or ("bfloat16" if on_cuda else "float32")]
+    args.batches = _int_list(args.batches or ("1,8,32,128" if on_cuda else "1,8"), "--batches")
+    args.contexts = _int_list(args.contexts or ("512,2048,8192" if on_cuda else "512,2048"), "--contexts")
+    args.repeat = args.repeat or (20 if on_cuda else 3)
+    if args.block_size < 1 or args.repeat < 1:
+        raise InputError(f"--block-size and --repeat must be positive, got {args.block_size} and {args.repeat}")
+    return args
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise InputError(f"{option} takes a comma list of positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise InputError(f"{option} takes a comma list of positive integers, got {text!r}")
+    return values
+
+
+def make_case(batch: int, context: int, block_size: int, dtype, device) -> dict:
+    """A pool holding `batch` sequences of `context` tokens in shuffled blocks, and their tables."""
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).int()
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    return {
+        "q": torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=dtype),
+        "k_cache": torch.randn(shape, device=device, dtype=dtype),
+        "v_cache": torch.randn(shape, device=device, dtype=dtype),
+        "block_tables": tables.to(device),
+        "context_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
+    }
+
+
+def l2_gather_index(block_tables, context_lens, block_size):
+    """L2's kv_indices per sequence, padded to the longest context: slots [B, L] and valid [B, L]."""
+    longest = int(context_lens.max())
+    positions = torch.arange(longest, device=block_tables.device)                  # [L]
+    columns = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
+    slots = block_tables.long()[:, columns] * block_size + positions % block_size  # [B, L]
+    valid = positions[None, :] < context_lens[:, None]
+    return torch.where(valid, slots, 0), valid
+
+
+def gather_sdpa(q, k_flat, v_flat, slots, valid):
+    """q [B, H, D]; k_flat, v_flat [num_slots, H_kv, D]; slots, valid [B, L] -> [B, H, D]."""
+    k = k_flat[slots].transpose(1, 2)  # the gather: [B, H_kv, L, D], a copy of every history
+    v = v_flat[slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], enable_gqa=True)
+    return out[:, :, 0]
+
+
+def contiguous_sdpa(q, k, v):
+    """q [B, H, D]; k, v [B, H_kv, L, D] contiguous, every sequence L long -> [B, H, D]."""
+    return F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)[:, :, 0]
+
+
+def time_us(fn, args, flush) -> float:
+    """On CUDA: median of CUDA-event times, L2 flushed before each run. On CPU: best wall time."""
+    if args.device == "cpu":
+        return timed(fn, repeat=args.repeat, warmup=1).best * 1e6
+    for _ in range(3):
+        fn()
+    events = []
+    for _ in range(args.repeat):
+        flush.zero_()  # evict the previous run's KV from L2, so every run reads it from memory
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return 1e3 * sorted(s.elapsed_time(e) for s, e in events)[len(events) // 2]
+
+
+def run_case(batch: int, context: int, args, flush, peak_gbps: float | None) -> dict:
+    case = make_case(batch, context, args.block_size, args.dtype, args.device)
+    q, k_cache, v_cache = case["q"], case["k_cache"], case["v_cache"]
+    backend = "kernel" if args.device == "cuda" else "reference"
+
+    def kernel():
+        return paged_attention(**case, backend=backend, check_values=False)  # lengths are ours: no sync
+
+    k_flat, v_flat = (c.view(-1, NUM_KV_HEADS, HEAD_DIM) for c in (k_cache, v_cache))
+    slots, valid = l2_gather_index(case["block_tables"], case["context_lens"], args.block_size)
+    k_contig, v_contig = (f[slots].transpose(1, 2).contiguous() for f in (k_flat, v_flat))
+    error = (kernel().float() - contiguous_sdpa(q, k_contig, v_contig).float()).abs().max().item()
+    kernel_us = time_us(kernel, args, flush)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * q.element_size()
+    gbps = kv_bytes / kernel_us / 1e3
+    return {
+        "batch": batch, "context": context, "kernel_us": kernel_us,
+        "gather_sdpa_us": time_us(lambda: gather_sdpa(q, k_flat, v_flat, slots, valid), args, flush),
+        "contig_sdpa_us": time_us(lambda: contiguous_sdpa(q, k_contig, v_contig), args, flush),
+        "kv_MB": kv_bytes / 1e6, "GB/s": gbps,
+        "pct_peak": None if peak_gbps is None else 100 * gbps / peak_gbps,
+        "max_abs_err": error,
+    }
+
+
+def device_peak(args) -> tuple[str, float | None]:
+    if args.device == "cpu":
+        return "cpu", args.peak_gbps
+    name = torch.cuda.get_device_name()
+    table = next((gbps for key, gbps in PEAK_GBPS if key in name.lower()), None)
+    return name, args.peak_gbps or table
+
+
+def target_verdict(rows: list[dict], args) -> str:
+    goal = (f"target: batch {TARGET_BATCH}, context {TARGET_CONTEXT}, bf16 on a GPU: kernel >= "
+            f"{TARGET_FRACTION:.0%} of peak bandwidth and no slower than contiguous SDPA")
+    row = next((r for r in rows if (r["batch"], r["context"]) == (TARGET_BATCH, TARGET_CONTEXT)), None)
+    if args.device == "cpu":
+        return f"{goal}. Not judged: these are CPU figures of the reference path."
+    if row is None or row["pct_peak"] is None:
+        why = "the case is not in this grid" if row is None else "the peak is unknown (pass --peak-gbps)"
+        return f"{goal}. Not judged: {why}."
+    met = row["pct_peak"] >= 100 * TARGET_FRACTION and row["kernel_us"] <= row["contig_sdpa_us"]
+    return (f"{goal}: {row['pct_peak']:.0f}% of peak, {row['kernel_us'] / row['contig_sdpa_us']:.2f}x the "
+            f"contiguous SDPA time -> {'MET' if met else 'NOT MET'}")
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    name, peak = device_peak(args)
+    if args.device == "cpu":
+        print("CPU figures, reference path: the PyTorch reference stands in for the CUDA kernel.")
+    print(f"device {name}, {args.dtype}, block_size {args.block_size}, peak "
+          f"{'unknown' if peak is None else f'{peak:.0f} GB/s'}; H {NUM_HEADS}, H_kv {NUM_KV_HEADS}, D {HEAD_DIM}")
+    flush = None
+    if args.device == "cuda":
+        flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda")
+    try:
+        rows = [run_case(b, c, args, flush, peak) for b in args.batches for c in args.contexts]
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_table([{**r, "max_abs_err": f"{r['max_abs_err']:.1e}"} for r in rows])
+    print(target_verdict(rows, args))
+    if args.json:
+        meta = {"device": name, "dtype": str(args.dtype), "block_size": args.block_size, "peak_gbps": peak}
+        Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
