@@ -64,7 +64,7 @@ class Scheduler:
             n = self._tokens_this_step(req, budget)
             if n and self._make_room(req, n, queue, now):
                 plan.append((req, n))
-                self._spend(budget, n)
+                self._spend(budget, req, n)
         return plan
 
     def _make_room(self, req: EngineRequest, n: int, queue: list, now: int) -> bool:
@@ -106,7 +106,7 @@ class Scheduler:
             req.state = State.RUNNING
             self.running.append(req)
             plan.append((req, n))
-            self._spend(budget, n)
+            self._spend(budget, req, n)
         return plan
 
     def _try_admit(self, req: EngineRequest, budget: list) -> int:
@@ -134,8 +134,10 @@ class Scheduler:
         return 1 if pending == 1 else int(min(pending, budget[0]))
 
     @staticmethod
-    def _spend(budget: list, n: int) -> None:
-        if n > 1:
+    def _spend(budget: list, req: EngineRequest, n: int) -> None:
+        # Called before the forward, so num_pending still says what these n tokens are: a prompt
+        # chunk (pending > 1, charged even when n == 1) or a decode (pending == 1, never charged).
+        if req.num_pending > 1:
             budget[0] -= n
 
     def remove(self, req: EngineRequest) -> None:
