@@ -29,6 +29,10 @@ class RequestTooLargeError(InputError):
 class Scheduler:
     def __init__(self, alloc: BlockAllocator, policy, preemptor: Preemptor,
                  prefill_chunk: int | None = None, watermark_blocks: int = 1):
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be None (no chunking) or at least 1, got {prefill_chunk}")
+        if watermark_blocks < 0:
+            raise ValueError(f"watermark_blocks must be at least 0, got {watermark_blocks}")
         self.alloc, self.policy, self.preemptor = alloc, policy, preemptor
         self.prefill_chunk = prefill_chunk
         self.watermark_blocks = watermark_blocks

@@ -50,16 +50,24 @@ def workload(args, setup) -> list[WorkItem]:
             for i, ids in enumerate(prompts)]
 
 
+def check_options(args) -> None:
+    for name, value in (("--block-size", args.block_size), ("--num-blocks", args.num_blocks),
+                        ("--prefill-chunk", args.prefill_chunk)):
+        if value is not None and value < 1:
+            raise InputError(f"{name} must be at least 1, got {value}")
+
+
 def pool_blocks(args, items: list[WorkItem]) -> int:
     need = [blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items]
-    num_blocks = args.num_blocks or max(sum(need) // 4, max(need) + 1)
-    if args.block_size < 1 or num_blocks < max(need):
+    num_blocks = args.num_blocks if args.num_blocks is not None else max(sum(need) // 4, max(need) + 1)
+    if num_blocks < max(need):
         raise InputError(f"a pool of {num_blocks} blocks of {args.block_size} cannot hold the largest "
                          f"request ({max(need)} blocks); raise --num-blocks")
     return num_blocks
 
 
 def run(args, setup) -> LessonRun:
+    check_options(args)
     items = workload(args, setup)
     model = load_block_model(setup.model_dir, setup.dtype, setup.device)
     backend = args.backend or default_backend(setup.device)

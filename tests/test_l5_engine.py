@@ -455,3 +455,7 @@ def test_engine_rejects_unknown_mode_and_policy(model):
         make_engine(model, 8, BLOCK_SIZE, preempt="drop")
     with pytest.raises(ValueError, match="lru, priority or score"):
         make_engine(model, 8, BLOCK_SIZE, policy="fifo")
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        make_engine(model, 8, BLOCK_SIZE, prefill_chunk=0)
+    with pytest.raises(ValueError, match="watermark_blocks"):
+        make_engine(model, 8, BLOCK_SIZE, watermark_blocks=-1)

@@ -1,0 +1,317 @@
+"""L5: nothing is lost and nothing leaks — aborts, a failure inside a layer, a soak, random operations.
+
+The bookkeeping invariants (`check_invariants`) are checked after every operation:
+- every block is in exactly one place: the free list or exactly one request's blocks;
+- a request's blocks cover exactly ceil(cur_len / block_size) positions, and its slot list matches;
+- a request's state matches the queue that holds it (running, waiting or not yet arrived, swapped,
+  or none when finished), and only a swapped request holds a host copy of its K/V.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from l2_paged import blocks_needed
+from l3_block_kernel import load_block_model
+from l5_eviction import MODES, POLICIES, RequestTooLargeError, State, WorkItem, make_engine
+from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, quarter_pool
+
+pytestmark = [pytest.mark.l5]
+
+# A very small random Qwen3 for the long runs: one layer, hidden 32, vocabulary 128.
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, vocab_size=128)
+
+
+def check_invariants(engine) -> None:
+    alloc, s, bs = engine.alloc, engine.scheduler, engine.alloc.block_size
+    owner: dict[int, int] = {}
+    for r in engine.requests.values():
+        for b in r.blocks:
+            assert b not in owner, f"block {b} is held by requests {owner[b]} and {r.request_id}"
+            owner[b] = r.request_id
+    free = alloc.free_blocks
+    assert len(set(free)) == len(free), "a block is twice in the free list"
+    assert not set(free) & set(owner), f"blocks both free and owned: {sorted(set(free) & set(owner))}"
+    assert len(free) + len(owner) == alloc.num_blocks, "a block is neither free nor owned (leak)"
+
+    where: dict[int, str] = {}
+    for name, queue in (("running", s.running), ("waiting", s.waiting), ("swapped", s.swapped),
+                        ("future", engine.future)):
+        for r in queue:
+            assert r.request_id not in where, f"request {r.request_id} in {where.get(r.request_id)} and {name}"
+            where[r.request_id] = name
+    expected = {State.RUNNING: {"running"}, State.WAITING: {"waiting", "future"},
+                State.SWAPPED: {"swapped"}, State.FINISHED: {None}}
+    for r in engine.requests.values():
+        assert where.get(r.request_id) in expected[r.state], (r.request_id, r.state, where.get(r.request_id))
+        held = blocks_needed(r.cur_len, bs) if r.state is State.RUNNING else 0
+        assert len(r.blocks) == held, f"request {r.request_id} ({r.state}) holds {len(r.blocks)} blocks, expected {held}"
+        assert r.slot_indices == [b * bs + i for b in r.blocks for i in range(bs)]
+        assert (r.swapped is not None) == (r.state is State.SWAPPED)
+        if r.state is State.SWAPPED:
+            assert r.swapped.k[0].shape[0] == blocks_needed(r.cur_len, bs)
+        if r.state is State.WAITING:
+            assert r.cur_len == 0  # new, or preempted for recompute: nothing cached
+        assert len(r.output_ids) <= r.max_new_tokens
+        assert (r.finish_reason is not None) == (r.state is State.FINISHED)
+
+
+def check_all_released(engine) -> None:
+    check_invariants(engine)
+    assert engine.alloc.num_free == engine.alloc.num_blocks
+    assert all(r.state is State.FINISHED for r in engine.requests.values())
+    assert engine.summary()["swapped_copies_left"] == 0
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_block_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def small_model(make_model):
+    return load_block_model(make_model(**SMALL))
+
+
+# ---------------------------------------------------------------- abort
+
+
+ABORT_WHEN = {
+    # name: (engine options, which request to abort once the predicate holds for it)
+    "mid-prefill": (dict(prefill_chunk=4), lambda r: r.state is State.RUNNING and 0 < r.cur_len < len(r.prompt_ids)),
+    "decoding": (dict(), lambda r: r.state is State.RUNNING and len(r.output_ids) >= 2),
+    "swapped": (dict(preempt="swap"), lambda r: r.state is State.SWAPPED),
+    "preempted, waiting": (dict(), lambda r: r.state is State.WAITING and r.num_preemptions > 0),
+    "not yet arrived": (dict(), lambda r: r.arrival_step > 0 and r.state is State.WAITING),
+}
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("when", ABORT_WHEN)
+def test_abort_releases_everything_and_others_finish(when, model, tiny_model_dir):
+    options, pick = ABORT_WHEN[when]
+    engine = make_engine(model, quarter_pool(WORKLOAD), BLOCK_SIZE, **options)
+    for item in WORKLOAD:
+        engine.add_request(item)
+    victim = None
+    while victim is None:
+        victim = next((r for r in engine.requests.values() if pick(r)), None)
+        if victim is None:
+            assert engine.has_unfinished(), f"no request was ever '{when}'"
+            engine.step()
+    held, free = len(victim.blocks), engine.alloc.num_free
+    engine.abort(victim.request_id)
+    assert victim.state is State.FINISHED and victim.finish_reason == "aborted"
+    assert victim.blocks == [] and victim.swapped is None
+    assert engine.alloc.num_free == free + held
+    check_invariants(engine)
+    engine.abort(victim.request_id)  # a second abort is a no-op
+    engine.run()
+    check_all_released(engine)
+    for item, req in zip(WORKLOAD, engine.requests.values()):
+        if req is not victim:
+            assert req.output_ids == hf_alone(tiny_model_dir, item)
+    c = engine.preemptor.counters
+    if when == "swapped":  # its host copy was dropped, never copied back
+        assert c.bytes_swapped_in < c.bytes_swapped_out
+    else:
+        assert c.bytes_swapped_in == c.bytes_swapped_out
+
+
+# ---------------------------------------------------------------- failure inside a layer
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def arm_fault(monkeypatch, layer, on_call: int) -> None:
+    """Make `layer.mlp` raise on its `on_call`-th call from now on (1-based), once."""
+    real, calls = layer.mlp.forward, [0]
+
+    def forward(x):
+        calls[0] += 1
+        if calls[0] == on_call:
+            raise InjectedFault(f"injected failure in the MLP (call {on_call}, {x.shape[0]} rows)")
+        return real(x)
+
+    monkeypatch.setattr(layer.mlp, "forward", forward)
+
+
+@pytest.mark.points(3)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("forward", ["prefill", "decode"])
+def test_failure_inside_a_layer_rolls_the_step_back(forward, mode, model, tiny_model_dir, monkeypatch):
+    """The step raises in the prefill forward, or in the decode forward after the prefill forward
+    already advanced its requests; either way the step is undone and the run goes on."""
+    def fresh():
+        engine = make_engine(model, quarter_pool(WORKLOAD), BLOCK_SIZE, preempt=mode)
+        for item in WORKLOAD:
+            engine.add_request(item)
+        return engine
+
+    # A step, after the first preemption, that runs both a prefill forward and a decode forward.
+    clean = fresh()
+    clean.run()
+    first_preemption = next(r.step for r in clean.timeline if r.preempted)
+    step = next(r.step for r in clean.timeline[first_preemption:] if r.prefill_tokens and r.decode_tokens)
+
+    engine = fresh()
+    for _ in range(step):
+        engine.step()
+    before = {i: (r.state, r.cur_len, list(r.output_ids)) for i, r in engine.requests.items()}
+    arm_fault(monkeypatch, model.model.layers[-1], on_call=1 if forward == "prefill" else 2)
+    with pytest.raises(InjectedFault):
+        engine.step()
+    monkeypatch.undo()
+
+    assert engine.now == step and len(engine.timeline) == step  # the step did not happen
+    check_invariants(engine)  # no leaked block; each request's blocks cover exactly its cur_len
+    for i, r in engine.requests.items():
+        state, cur_len, out = before[i]
+        assert r.output_ids == out
+        preempted_now = state is State.RUNNING and r.state in (State.WAITING, State.SWAPPED)
+        if preempted_now and r.state is State.WAITING:
+            assert r.cur_len == 0  # made room for the failed step: dropped for recompute
+        else:
+            assert r.cur_len == cur_len
+    engine.run()
+    check_all_released(engine)
+    assert [r.output_ids for r in engine.requests.values()] == [r.output_ids for r in clean.requests.values()]
+    for item, req in zip(WORKLOAD, engine.requests.values()):
+        assert req.output_ids == hf_alone(tiny_model_dir, item)
+
+
+# ---------------------------------------------------------------- soak
+
+
+def soak_workload(num_requests: int, seed: int, vocab: int = 128):
+    """Random prompts (1-12 tokens), outputs (1-8 tokens), arrivals and priorities; about one
+    request in ten is aborted a few steps after it arrives. -> items, {step: [request ids]}."""
+    rng = random.Random(seed)
+    items, aborts = [], {}
+    for i in range(num_requests):
+        arrival = rng.randrange(num_requests // 3)
+        items.append(WorkItem([rng.randrange(vocab) for _ in range(rng.randint(1, 12))], rng.randint(1, 8),
+                              arrival_step=arrival, priority=rng.randrange(4)))
+        if rng.random() < 0.1:
+            aborts.setdefault(arrival + rng.randrange(8), []).append(i)
+    return items, aborts
+
+
+def run_soak(model, items, aborts, num_blocks, check_every_step=False, **options):
+    engine = make_engine(model, num_blocks, BLOCK_SIZE, **options)
+    for item in items:
+        engine.add_request(item)
+    while engine.has_unfinished():
+        for rid in aborts.get(engine.now, []):
+            engine.abort(rid)
+        engine.step()
+        if check_every_step:
+            check_invariants(engine)
+    return engine
+
+
+def check_soak(model, items, aborts, options, check_every_step):
+    reference = run_soak(model, items, {}, num_blocks=2000)
+    engine = run_soak(model, items, aborts, num_blocks=8, check_every_step=check_every_step, **options)
+    check_all_released(engine)
+    s = engine.summary()
+    assert s["preempted_recompute"] + s["preempted_swap"] > 0
+    aborted = [r for r in engine.requests.values() if r.finish_reason == "aborted"]
+    assert aborted, "the soak was meant to abort some requests"
+    for rid, req in engine.requests.items():
+        if req.finish_reason != "aborted":
+            assert req.output_ids == reference.requests[rid].output_ids, f"request {rid}"
+    return engine
+
+
+SOAK_OPTIONS = {
+    "recompute-lru": dict(preempt="recompute", policy="lru"),
+    "swap-priority-chunked": dict(preempt="swap", policy="priority", prefill_chunk=3),
+    "recompute-score-chunked": dict(preempt="recompute", policy="score", prefill_chunk=5, watermark_blocks=0),
+    "swap-score": dict(preempt="swap", policy="score", watermark_blocks=2),
+}
+
+
+@pytest.mark.points(4)
+@pytest.mark.parametrize("name", SOAK_OPTIONS)
+def test_soak_200_requests_on_a_tiny_pool(name, small_model):
+    """200 requests on 8 blocks of 4 (a request needs up to 5): preempted over and over."""
+    items, aborts = soak_workload(200, seed=list(SOAK_OPTIONS).index(name))
+    check_soak(small_model, items, aborts, SOAK_OPTIONS[name], check_every_step=True)
+
+
+@pytest.mark.slow
+@pytest.mark.points(2)
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("mode", MODES)
+def test_soak_1000_requests_every_mode_and_policy(mode, policy, chunk, small_model):
+    items, aborts = soak_workload(1000, seed=7)
+    check_soak(small_model, items, aborts, dict(preempt=mode, policy=policy, prefill_chunk=chunk),
+               check_every_step=False)
+
+
+# ---------------------------------------------------------------- random operation sequences
+
+
+_reference_cache: dict = {}
+
+
+def reference_ids(model, prompt, max_new_tokens) -> list[int]:
+    """The request alone on a pool it cannot fill."""
+    key = (tuple(prompt), max_new_tokens)
+    if key not in _reference_cache:
+        engine = make_engine(model, 64, BLOCK_SIZE)
+        _reference_cache[key] = engine.run([WorkItem(prompt, max_new_tokens)])[0].output_ids
+    return _reference_cache[key]
+
+
+ADD = st.tuples(st.just("add"), st.lists(st.integers(0, 127), min_size=1, max_size=14),
+                st.integers(1, 8), st.integers(0, 3), st.integers(0, 3))  # prompt, max_new, priority, delay
+STEP, ABORT = st.just(("step",)), st.tuples(st.just("abort"), st.integers(0, 50))
+# A few requests first (so that the pool is under pressure), then anything, adds and steps
+# twice as often as aborts.
+OPS = st.tuples(st.lists(ADD, min_size=2, max_size=6),
+                st.lists(st.one_of(ADD, ADD, STEP, STEP, ABORT), max_size=40)).map(lambda t: t[0] + t[1])
+
+
+@pytest.mark.points(4)
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=OPS, mode=st.sampled_from(MODES), policy=st.sampled_from(POLICIES),
+       chunk=st.sampled_from([None, 2, 5]), watermark=st.integers(0, 2), num_blocks=st.integers(4, 6))
+def test_random_operations_keep_every_invariant(ops, mode, policy, chunk, watermark, num_blocks, small_model):
+    engine = make_engine(small_model, num_blocks, BLOCK_SIZE, preempt=mode, policy=policy,
+                         prefill_chunk=chunk, watermark_blocks=watermark)
+    for op in ops:
+        if op[0] == "add":
+            _, prompt, max_new, priority, delay = op
+            item = WorkItem(prompt, max_new, arrival_step=engine.now + delay, priority=priority)
+            if blocks_needed(len(prompt) + max_new, BLOCK_SIZE) > num_blocks:
+                with pytest.raises(RequestTooLargeError):
+                    engine.add_request(item)
+            else:
+                engine.add_request(item)
+        elif op[0] == "step":
+            engine.step()
+        elif engine.requests:
+            engine.abort(op[1] % len(engine.requests))
+        check_invariants(engine)
+    while engine.has_unfinished():
+        engine.step()
+        check_invariants(engine)
+    check_all_released(engine)
+    s = engine.summary()  # `pytest --hypothesis-show-statistics` shows how often these happened
+    event("preempted" if s["preempted_recompute"] + s["preempted_swap"] else "not preempted")
+    if any(r.finish_reason == "aborted" and r.output_ids for r in engine.requests.values()):
+        event("aborted after its first token")
+    for req in engine.requests.values():
+        if req.finish_reason != "aborted":
+            assert req.output_ids == reference_ids(small_model, req.prompt_ids, req.max_new_tokens)
