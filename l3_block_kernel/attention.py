@@ -25,4 +25,7 @@ class BlockTableAttention(PagedAttention):
         """Decode: q [B, H, D]; k_all, v_all [num_blocks, block_size, H_kv, D] -> [B, H, D]."""
         if meta.is_prefill:
             return super().attend(q, k_all, v_all, meta)
-        return paged_attention(q, k_all, v_all, meta.block_tables, meta.context_lens, backend=meta.backend)
+        # The tables were built on the host from allocator-owned blocks: skip the per-layer value
+        # check, which on CUDA would copy them back to the host (a sync) in every layer.
+        return paged_attention(q, k_all, v_all, meta.block_tables, meta.context_lens,
+                               backend=meta.backend, check_values=False)
