@@ -83,16 +83,21 @@ def longest_blocks(req: Request, block_size: int) -> int:
 def run(args, setup) -> LessonRun:
     check_options(args)
     model = load_paged_model(setup.model_dir, setup.dtype, setup.device)
+    return run_requests(args, setup, model, KvPool, PagedRunner)
+
+
+def run_requests(args, setup, model, pool_cls, make_runner) -> LessonRun:
+    """The prompts as one batch on a fresh pool; L3 passes its own pool class and runner."""
     requests = [Request(p.ids, setup.max_new_tokens, request_id=i) for i, p in enumerate(setup.prompts)]
     num_blocks = pool_blocks(args, setup, requests)
     try:
-        pool = KvPool(setup.cfg, num_blocks, args.block_size, setup.dtype, setup.device)
+        pool = pool_cls(setup.cfg, num_blocks, args.block_size, setup.dtype, setup.device)
     except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
         size = num_blocks * bytes_per_block(setup.cfg, args.block_size, setup.dtype)
         raise InputError(f"cannot allocate a pool of {num_blocks} blocks ({size:,} bytes) on "
                          f"{setup.device}; ask for fewer blocks or less --kv-memory") from None
     alloc = BlockAllocator(num_blocks, args.block_size)
-    runner = PagedRunner(model, pool, alloc)
+    runner = make_runner(model, pool, alloc)
     try:
         runner.generate(requests)
     except OutOfBlocksError as exc:
