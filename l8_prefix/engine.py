@@ -132,7 +132,9 @@ class PrefixEngine(Engine):
         for req, row in zip(reqs, logits):
             if req.forks and req.num_pending == 0:
                 self._prefill_logits[req.request_id] = row  # the forks draw their first token from it
-        return [draw(req, row) for req, row in zip(reqs, logits)]
+        # Draw only where the token is real (nothing pending): a draw for a mid-prompt chunk would be
+        # thrown away but still advance the generator, and sharing changes how many chunks a prompt takes.
+        return [draw(req, row) if req.num_pending == 0 else -1 for req, row in zip(reqs, logits)]
 
     # ------------------------------------------------------------------ after each forward
 

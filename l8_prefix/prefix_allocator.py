@@ -68,7 +68,9 @@ class PrefixBlockAllocator(BlockAllocator):
                 raise ValueError(f"block id {b!r} is not in this pool (0..{self.num_blocks - 1})")
             if self.ref_count[b] - blocks[:i].count(b) <= 0:
                 raise ValueError(f"block {b} has no reference left to drop (double free)")
-        for b in blocks:
+        # Tail first, so a request's last blocks queue up for eviction before its first ones: the
+        # lookup walks a chain from its start, and an evicted head would strand the tail behind it.
+        for b in reversed(blocks):
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
                 if b in self.key_of:

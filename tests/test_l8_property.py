@@ -1,0 +1,192 @@
+"""L8 property tests: random sequences of admit / step / abort, with the invariants checked after
+every operation, then everything run to the end and every surviving request checked.
+
+Two drivers:
+- a fake forward (no model): K of each position is a fingerprint of the whole prefix ending there,
+  so a forward can check that every slot it reads holds *its own* prefix — the essence of correct
+  sharing — and the next token is a fixed function of the tokens. Fast, so many examples.
+- the real engine on a random tiny model, with few examples, against HF's greedy ids.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from l1_contiguous.config import Qwen3Config
+from l2_paged import reserve
+from l5_eviction import State
+from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
+from test_l8_engine import PREFIX, check_all_released, check_invariants, guard_writes, tail
+from test_l8_engine import hf_ref, model  # noqa: F401  (fixtures)
+
+pytestmark = [pytest.mark.l8]
+
+# ---------------------------------------------------------------- a model that is only bookkeeping
+
+FAKE_VOCAB, FAKE_EOS = 16, 0
+FAKE_CFG = Qwen3Config(vocab_size=FAKE_VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                       num_attention_heads=1, num_key_value_heads=1, head_dim=1, rope_theta=1e4,
+                       rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+                       eos_token_ids=(FAKE_EOS,))
+
+
+class FakeModel:
+    """What the engine reads of a model: its config, device and dtype. Forwards are FakeForward's."""
+
+    config, device, dtype = FAKE_CFG, torch.device("cpu"), torch.float32
+
+
+def _crc(tokens) -> int:
+    return zlib.crc32(struct.pack(f"<{len(tokens)}q", *tokens))
+
+
+def fingerprint(tokens) -> float:
+    """A float32-exact number naming a whole token prefix: the fake 'K' of its last token."""
+    return (_crc(tokens) % 2**24) / 2**24
+
+
+def next_token(tokens) -> int:
+    return _crc([7, *tokens]) % FAKE_VOCAB
+
+
+def alone(prompt: list[int], max_new: int) -> list[int]:
+    """What the fake model generates for `prompt` by itself (stops after EOS, as the engine does)."""
+    tokens, out = list(prompt), []
+    while len(out) < max_new and (not out or out[-1] != FAKE_EOS):
+        out.append(next_token(tokens))
+        tokens.append(out[-1])
+    return out
+
+
+class FakeForward:
+    """Replaces runner.forward_logits: checks every read, refuses shared writes, writes fingerprints."""
+
+    def __init__(self, engine):
+        self.alloc, self.k = engine.alloc, engine.pool.K[0][:, 0, 0]  # [num_slots] view of layer 0's K
+
+    def __call__(self, reqs, num_new):
+        rows = torch.zeros(len(reqs), FAKE_VOCAB)
+        for row, (req, n) in enumerate(zip(reqs, num_new)):
+            reserve(req, self.alloc, req.cur_len + n)  # as the real runner does (a no-op: the scheduler did it)
+            tokens = req.tokens
+            for pos in range(req.cur_len):
+                got, want = float(self.k[req.slot_indices[pos]]), fingerprint(tokens[:pos + 1])
+                assert got == want, f"request {req.request_id} reads position {pos} from another prefix's K"
+            for pos in range(req.cur_len, req.cur_len + n):
+                block = req.blocks[pos // self.alloc.block_size]
+                assert self.alloc.ref_count[block] == 1, f"write into block {block}, shared"
+                self.k[req.slot_indices[pos]] = fingerprint(tokens[:pos + 1])
+            req.cur_len += n
+            rows[row, next_token(tokens[:req.cur_len])] = 1.0
+        return rows
+
+
+def check_cached_contents(engine, known: dict[bytes, list[int]]) -> None:
+    """Every keyed block (in use or cached free) holds the K of exactly the prefix its key names."""
+    alloc, bs, k = engine.alloc, engine.alloc.block_size, engine.pool.K[0][:, 0, 0]
+    for r in engine.requests.values():
+        for i, key in enumerate(chain_keys(r.tokens, bs)):
+            known[key] = r.tokens[:(i + 1) * bs]
+    for block, key in alloc.key_of.items():
+        prefix = known[key]
+        start = len(prefix) - bs
+        for j in range(bs):
+            assert float(k[block * bs + j]) == fingerprint(prefix[:start + j + 1]), f"cached block {block} is stale"
+
+
+# ---------------------------------------------------------------- random operation sequences
+
+PREFIXES = [[], [3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]]
+ADD = st.tuples(st.just("add"), st.integers(0, 2), st.lists(st.integers(1, FAKE_VOCAB - 1), max_size=5),
+                st.integers(1, 3), st.integers(1, 6), st.integers(0, 2))  # prefix, tail, n, max_new, delay
+STEP = st.tuples(st.just("step"), st.integers(1, 3))
+ABORT = st.tuples(st.just("abort"), st.integers(0, 63))
+OPS = st.lists(st.one_of(ADD, ADD, STEP, STEP, ABORT), min_size=1, max_size=24)
+SETUP = st.fixed_dictionaries({
+    "block_size": st.sampled_from([1, 2, 4]), "spare_blocks": st.integers(0, 8), "sharing": st.booleans(),
+    "preempt": st.sampled_from(["recompute", "swap"]), "prefill_chunk": st.sampled_from([None, 3, 8]),
+})
+
+
+def run_ops(engine, ops, make_prompt, after_each) -> dict[int, tuple[list[int], int]]:
+    """Apply ops; returns request id -> (prompt, max_new) of everything added (forks included)."""
+    for op in ops:
+        if op[0] == "add":
+            _, prefix, extra, n, max_new, delay = op
+            prompt = make_prompt(prefix, extra)
+            engine.add_request(SampledWorkItem(prompt, max_new, arrival_step=engine.now + delay, n=n))
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                engine.step()
+                after_each()
+        else:
+            ids = sorted(engine.requests)
+            if ids:
+                engine.abort(ids[op[1] % len(ids)])
+        after_each()
+    limit = engine.now + 400
+    while engine.has_unfinished():
+        assert engine.now < limit, "the workload does not finish"
+        engine.step()
+        after_each()
+    check_all_released(engine)
+    return {i: (r.prompt_ids, r.max_new_tokens) for i, r in engine.requests.items()}
+
+
+def pool_size(setup, longest: int) -> int:
+    bs = setup["block_size"]
+    return -(-longest // bs) + 1 + setup["spare_blocks"]  # the largest request fits, with one to spare
+
+
+@pytest.mark.points(4)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setup=SETUP, ops=OPS)
+def test_random_admit_step_abort_keep_invariants_fake_forward(setup, ops):
+    longest = max(len(p) for p in PREFIXES) + 5 + 6
+    engine = make_prefix_engine(FakeModel(), pool_size(setup, longest), setup["block_size"],
+                                prefix_sharing=setup["sharing"], preempt=setup["preempt"],
+                                prefill_chunk=setup["prefill_chunk"], backend="reference")
+    engine.runner.forward_logits = FakeForward(engine)
+    known: dict[bytes, list[int]] = {}
+
+    def after_each():
+        check_invariants(engine)
+        check_cached_contents(engine, known)
+
+    added = run_ops(engine, ops, lambda p, extra: (PREFIXES[p] + extra) or [1], after_each)
+    for i, (prompt, max_new) in added.items():
+        r = engine.requests[i]
+        assert r.state is State.FINISHED
+        if r.finish_reason != "aborted":
+            assert r.output_ids == alone(prompt, max_new), (i, r.sample_index)
+
+
+# ---------------------------------------------------------------- the same through the real engine
+
+REAL_TAILS = [0, 1, 3, 5, 6]  # PREFIX + tail(k): HF's top-2 gaps checked by hf_ref
+REAL_OPS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(REAL_TAILS), st.just(None), st.integers(1, 3), st.integers(1, 5),
+              st.integers(0, 1)),
+    STEP, ABORT), min_size=1, max_size=8)
+
+
+@pytest.mark.points(3)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(setup=SETUP, ops=REAL_OPS)
+def test_random_admit_step_abort_keep_invariants_real_engine(model, hf_ref, setup, ops):
+    setup = {**setup, "block_size": 4}
+    engine = make_prefix_engine(model, pool_size(setup, len(PREFIX) + 6 + 5), 4, prefix_sharing=setup["sharing"],
+                                preempt=setup["preempt"], prefill_chunk=setup["prefill_chunk"])
+    guard_writes(engine)
+    added = run_ops(engine, ops, lambda k, _: PREFIX + tail(k), lambda: check_invariants(engine))
+    for i, (prompt, max_new) in added.items():
+        r = engine.requests[i]
+        if r.finish_reason != "aborted":
+            assert r.output_ids == hf_ref(prompt, 8)[:max_new], (i, r.sample_index)
