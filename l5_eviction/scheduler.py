@@ -41,6 +41,9 @@ class Scheduler:
         self.swapped: deque[EngineRequest] = deque()
 
     def add(self, req: EngineRequest) -> None:
+        if not req.prompt_ids or req.max_new_tokens < 1:  # either would never be scheduled correctly
+            raise InputError(f"request {req.request_id} has {len(req.prompt_ids)} prompt tokens and "
+                             f"max_new_tokens={req.max_new_tokens}; it needs at least 1 of each")
         need = blocks_needed(len(req.prompt_ids) + req.max_new_tokens, self.alloc.block_size)
         if need > self.alloc.num_blocks:
             raise RequestTooLargeError(

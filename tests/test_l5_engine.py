@@ -392,6 +392,22 @@ def test_a_request_larger_than_the_pool_is_rejected_cleanly(arrival, model, tiny
     assert engine.alloc.num_free == 8
 
 
+@pytest.mark.points(1)
+@pytest.mark.parametrize("prompt,max_new", [([], 4), ([1, 2, 3], 0)], ids=["empty prompt", "no new tokens"])
+def test_a_request_with_nothing_to_do_is_rejected(prompt, max_new, model, tiny_model_dir):
+    """An empty prompt would never be scheduled and, at the head of the queue, would block everyone
+    behind it; max_new_tokens = 0 would still make one token."""
+    engine = make_engine(model, 8, BLOCK_SIZE)
+    other = WorkItem(random_prompt(5, 512, 15), 4)
+    engine.add_request(other)
+    before = engine_state(engine)
+    with pytest.raises(InputError, match="at least 1 of each"):
+        engine.add_request(WorkItem(prompt, max_new))
+    assert engine_state(engine) == before
+    engine.run(max_steps=50)
+    assert engine.requests[0].output_ids == hf_alone(tiny_model_dir, other)
+
+
 # ---------------------------------------------------------------- finish reasons
 
 
