@@ -48,11 +48,13 @@ def test_keys_do_not_depend_on_token_boundaries_being_guessed():
 @pytest.mark.points(2)
 def test_keys_are_the_same_in_another_process_with_another_hash_seed():
     tokens = list(range(1000, 1037))
-    code = ("import sys; from l8_prefix import chain_keys; "
-            f"print(' '.join(k.hex() for k in chain_keys({tokens}, 16)))")
+    # Load block_hash.py alone (the package would import torch: seconds per process for nothing).
+    code = ("import importlib.util as u; s = u.spec_from_file_location('bh', 'l8_prefix/block_hash.py'); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); "
+            f"print(' '.join(k.hex() for k in m.chain_keys({tokens}, 16)))")
     outs = []
     for seed in ("1", "12345"):
-        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONHASHSEED": seed}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                               check=True, cwd=ROOT)
         outs.append(done.stdout.split())

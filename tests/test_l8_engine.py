@@ -8,6 +8,7 @@ import functools
 from collections import Counter
 
 import pytest
+import torch
 
 from harness import hf_reference as hf
 from helpers import random_prompt
@@ -25,6 +26,16 @@ PREFIX = random_prompt(22, VOCAB, seed=4)  # 5 full blocks of 4, and 2 tokens in
 
 def tail(k: int) -> list[int]:
     return random_prompt(k, VOCAB, seed=100 + k)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models here are tiny: a second intra-op thread gains nothing, and on a busy machine each
+    parallel region waits for the other thread's time slice."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import zlib
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from l1_contiguous.config import Qwen3Config
@@ -23,7 +23,7 @@ from l2_paged import reserve
 from l5_eviction import State
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
 from test_l8_engine import PREFIX, check_all_released, check_invariants, guard_writes, tail
-from test_l8_engine import hf_ref, model  # noqa: F401  (fixtures)
+from test_l8_engine import _one_thread, hf_ref, model  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.l8]
 
@@ -103,39 +103,45 @@ def check_cached_contents(engine, known: dict[bytes, list[int]]) -> None:
 # ---------------------------------------------------------------- random operation sequences
 
 PREFIXES = [[], [3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]]
-ADD = st.tuples(st.just("add"), st.integers(0, 2), st.lists(st.integers(1, FAKE_VOCAB - 1), max_size=5),
-                st.integers(1, 3), st.integers(1, 6), st.integers(0, 2))  # prefix, tail, n, max_new, delay
-STEP = st.tuples(st.just("step"), st.integers(1, 3))
-ABORT = st.tuples(st.just("abort"), st.integers(0, 63))
-OPS = st.lists(st.one_of(ADD, ADD, STEP, STEP, ABORT), min_size=1, max_size=24)
+TAIL = st.lists(st.integers(1, FAKE_VOCAB - 1), max_size=5)
+# (prefix, tail, samples, max new tokens, step at which it is added): mostly shared prefixes, some n > 1
+ADD = st.tuples(st.sampled_from([0, 1, 1, 2, 2]), TAIL, st.sampled_from([1, 1, 2, 3]), st.integers(1, 6),
+                st.integers(0, 8))
+ABORT = st.tuples(st.integers(0, 12), st.integers(0, 63))  # (step, which request: an index into all ids)
+PLAN = st.tuples(st.lists(ADD, min_size=1, max_size=8), st.lists(ABORT, max_size=3))
 SETUP = st.fixed_dictionaries({
-    "block_size": st.sampled_from([1, 2, 4]), "spare_blocks": st.integers(0, 8), "sharing": st.booleans(),
-    "preempt": st.sampled_from(["recompute", "swap"]), "prefill_chunk": st.sampled_from([None, 3, 8]),
+    "block_size": st.sampled_from([1, 2, 4]), "spare_blocks": st.integers(0, 8),
+    "sharing": st.sampled_from([True, True, True, False]), "preempt": st.sampled_from(["recompute", "swap"]),
+    "prefill_chunk": st.sampled_from([None, None, 3, 8]),
 })
 
 
-def run_ops(engine, ops, make_prompt, after_each) -> dict[int, tuple[list[int], int]]:
-    """Apply ops; returns request id -> (prompt, max_new) of everything added (forks included)."""
-    for op in ops:
-        if op[0] == "add":
-            _, prefix, extra, n, max_new, delay = op
-            prompt = make_prompt(prefix, extra)
-            engine.add_request(SampledWorkItem(prompt, max_new, arrival_step=engine.now + delay, n=n))
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                engine.step()
+def run_plan(engine, plan, make_prompt, after_each) -> dict[int, tuple[list[int], int]]:
+    """Add requests and abort some at their steps, step to the end checking after each operation.
+
+    Returns request id -> (prompt, max_new) of everything added (forks included).
+    """
+    adds, aborts = plan
+    last_op = max([a[4] for a in adds] + [a[0] for a in aborts])
+    while engine.now <= last_op or engine.has_unfinished():
+        assert engine.now < last_op + 400, "the workload does not finish"
+        for prefix, extra, n, max_new, when in adds:
+            if when == engine.now:
+                engine.add_request(SampledWorkItem(make_prompt(prefix, extra), max_new, arrival_step=when, n=n))
                 after_each()
-        else:
-            ids = sorted(engine.requests)
-            if ids:
-                engine.abort(ids[op[1] % len(ids)])
-        after_each()
-    limit = engine.now + 400
-    while engine.has_unfinished():
-        assert engine.now < limit, "the workload does not finish"
+        for when, which in aborts:
+            if when == engine.now and engine.requests:
+                engine.abort(sorted(engine.requests)[which % len(engine.requests)])
+                after_each()
         engine.step()
         after_each()
     check_all_released(engine)
+    c = engine.preemptor.counters  # what the example exercised (pytest --hypothesis-show-statistics)
+    event(f"preempted: {c.preempted_recompute + c.preempted_swap > 0}")
+    event(f"copy-on-write: {engine.prefix.cow_copies > 0}")
+    event(f"cached blocks evicted: {engine.alloc.evicted_cached > 0}")
+    event(f"prefix hits: {engine.prefix.prefix_hit_tokens > 0}")
+    event(f"aborted: {any(r.finish_reason == 'aborted' for r in engine.requests.values())}")
     return {i: (r.prompt_ids, r.max_new_tokens) for i, r in engine.requests.items()}
 
 
@@ -145,9 +151,9 @@ def pool_size(setup, longest: int) -> int:
 
 
 @pytest.mark.points(4)
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(setup=SETUP, ops=OPS)
-def test_random_admit_step_abort_keep_invariants_fake_forward(setup, ops):
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setup=SETUP, plan=PLAN)
+def test_random_admit_step_abort_keep_invariants_fake_forward(setup, plan):
     longest = max(len(p) for p in PREFIXES) + 5 + 6
     engine = make_prefix_engine(FakeModel(), pool_size(setup, longest), setup["block_size"],
                                 prefix_sharing=setup["sharing"], preempt=setup["preempt"],
@@ -159,7 +165,7 @@ def test_random_admit_step_abort_keep_invariants_fake_forward(setup, ops):
         check_invariants(engine)
         check_cached_contents(engine, known)
 
-    added = run_ops(engine, ops, lambda p, extra: (PREFIXES[p] + extra) or [1], after_each)
+    added = run_plan(engine, plan, lambda p, extra: (PREFIXES[p] + extra) or [1], after_each)
     for i, (prompt, max_new) in added.items():
         r = engine.requests[i]
         assert r.state is State.FINISHED
@@ -170,22 +176,21 @@ def test_random_admit_step_abort_keep_invariants_fake_forward(setup, ops):
 # ---------------------------------------------------------------- the same through the real engine
 
 REAL_TAILS = [0, 1, 3, 5, 6]  # PREFIX + tail(k): HF's top-2 gaps checked by hf_ref
-REAL_OPS = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.sampled_from(REAL_TAILS), st.just(None), st.integers(1, 3), st.integers(1, 5),
-              st.integers(0, 1)),
-    STEP, ABORT), min_size=1, max_size=8)
+REAL_PLAN = st.tuples(st.lists(st.tuples(st.sampled_from(REAL_TAILS), st.just(None), st.sampled_from([1, 1, 2, 3]),
+                                         st.integers(1, 5), st.integers(0, 4)), min_size=1, max_size=5),
+                      st.lists(ABORT, max_size=2))
 
 
 @pytest.mark.points(3)
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
-@given(setup=SETUP, ops=REAL_OPS)
-def test_random_admit_step_abort_keep_invariants_real_engine(model, hf_ref, setup, ops):
+@given(setup=SETUP, plan=REAL_PLAN)
+def test_random_admit_step_abort_keep_invariants_real_engine(model, hf_ref, setup, plan):
     setup = {**setup, "block_size": 4}
     engine = make_prefix_engine(model, pool_size(setup, len(PREFIX) + 6 + 5), 4, prefix_sharing=setup["sharing"],
                                 preempt=setup["preempt"], prefill_chunk=setup["prefill_chunk"])
     guard_writes(engine)
-    added = run_ops(engine, ops, lambda k, _: PREFIX + tail(k), lambda: check_invariants(engine))
+    added = run_plan(engine, plan, lambda k, _: PREFIX + tail(k), lambda: check_invariants(engine))
     for i, (prompt, max_new) in added.items():
         r = engine.requests[i]
         if r.finish_reason != "aborted":

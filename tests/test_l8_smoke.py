@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import random_prompt, run_script_json
+from test_l8_engine import _one_thread  # noqa: F401  (fixture: one intra-op thread for tiny models)
 
 pytestmark = [pytest.mark.l8]
 
