@@ -17,10 +17,11 @@ How long it takes: ``--minutes`` is the wall-clock training budget (default 35).
 The step count is fixed early, from the time of the first training steps, so that the
 cosine schedule ends exactly when the budget does; the run is then reproducible with
 ``--steps N``, which the script prints at the end. Corpus and tokenizer take < 1 min.
+On a machine busy with other work, ``--threads 1`` trains faster than the default 2.
 
 Usage:
     python scripts/train_tiny_model.py [--out DIR] [--minutes M | --steps N]
-                                       [--seed S] [--lr LR] [--batch-size B]
+                                       [--seed S] [--lr LR] [--batch-size B] [--threads T]
 """
 
 import argparse
@@ -269,7 +270,8 @@ def print_curve(history):
 def reproduce_command(args, total_steps):
     parts = ["python", "scripts/train_tiny_model.py", "--out", str(args.out),
              "--steps", str(total_steps), "--seed", str(args.seed),
-             "--lr", str(args.lr), "--batch-size", str(args.batch_size)]
+             "--lr", str(args.lr), "--batch-size", str(args.batch_size),
+             "--threads", str(args.threads)]
     return shlex.join(parts)
 
 
@@ -302,30 +304,29 @@ exercise a real KV cache. It is a teaching toy, not a useful language model.
 The King James Version text from Debian's `bible-kjv-text` package, read with
 `bible -f gen1:1-rev22:21` (package `bible-kjv`), verse references removed. The verses of
 each book are joined by spaces into running text; books are separated by `<|endoftext|>`.
-Its copyright file, `/usr/share/doc/bible-kjv-text/copyright`, says the file may be used
-without restriction and that users may copy, modify or distribute it freely; it also
-notes that the copyright on the 1611 translation itself has expired.
+The package's copyright file, `/usr/share/doc/bible-kjv-text/copyright`, grants
+unrestricted use of the text (users may copy, modify or distribute it at will, keeping
+the legend) and notes that the copyright on the 1611 translation has expired.
 
-Validation split: the last 2% of each book's verses (at least one verse per book);
-the rest ({info['train_tokens']:,} tokens) is training data, validation is
-{info['val_tokens']:,} tokens.
+Validation split: the last 2% of each book's verses (at least one verse per book),
+{info['val_tokens']:,} tokens; the remaining {info['train_tokens']:,} tokens are training data.
 
 ## Tokenizer
 
-Byte-level BPE (`tokenizers` library, ByteLevel pre-tokenizer and decoder) trained on the
-training split, vocabulary {VOCAB_SIZE}. The only special token is `<|endoftext|>`
+Byte-level BPE (`tokenizers` library, ByteLevel pre-tokenizer and decoder) trained on
+the training split, vocabulary {VOCAB_SIZE}. The only special token is `<|endoftext|>`
 (id {info['eos_id']}), used as EOS and padding; no BOS token is added.
 
 ## Training
 
-AdamW (betas 0.9/0.95, weight decay 0.1, gradient clipping 1.0), peak learning rate
-{info['lr']}, {WARMUP_STEPS} warmup steps then cosine decay to {MIN_LR_RATIO:g} x peak,
-batch {info['batch_size']} x {SEQ_LEN} tokens, {info['steps']} steps
-({info['epochs']:.1f} epochs), seed {info['seed']}, CPU with 2 threads,
-{info['minutes']:.1f} minutes.
+- AdamW, betas 0.9/0.95, weight decay 0.1, gradient clipping 1.0
+- peak learning rate {info['lr']}, {WARMUP_STEPS} warmup steps,
+  cosine decay to {MIN_LR_RATIO:g} x peak
+- batch {info['batch_size']} x {SEQ_LEN} tokens, {info['steps']} steps \
+({info['epochs']:.1f} epochs), seed {info['seed']}
+- CPU, {info['threads']} torch thread(s), {info['minutes']:.1f} minutes of training
 
-Final loss: train {info['train_loss']:.3f}, validation {info['val_loss']:.3f}
-(nats per token).
+Final loss (nats per token): train {info['train_loss']:.3f}, validation {info['val_loss']:.3f}.
 
 Remade with:
 
@@ -345,6 +346,8 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=None,
                         help="fix the number of training steps exactly (reproducible)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads; 1 is faster on a machine busy with other work")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
@@ -357,7 +360,7 @@ def main():
     args = parse_args()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
 
     train_texts, val_texts = split_books(read_bible())
@@ -376,7 +379,8 @@ def main():
           f"({len(train_blocks)} / {len(val_blocks)} blocks of {SEQ_LEN})")
     print(f"model: Qwen3, {params:,} parameters; out: {args.out}")
     print(f"training: budget {budget}, batch {args.batch_size} x {SEQ_LEN}, lr {args.lr}, "
-          f"warmup {WARMUP_STEPS}, cosine to {MIN_LR_RATIO:g}x, seed {args.seed}, 2 threads")
+          f"warmup {WARMUP_STEPS}, cosine to {MIN_LR_RATIO:g}x, seed {args.seed}, "
+          f"{args.threads} thread(s)")
 
     history, total_steps, seconds = train(model, train_blocks, val_blocks, args)
     print_curve(history)
@@ -388,7 +392,8 @@ def main():
         "params": params, "train_tokens": len(train_stream), "val_tokens": len(val_stream),
         "eos_id": eos_id, "lr": args.lr, "batch_size": args.batch_size, "steps": total_steps,
         "epochs": total_steps * args.batch_size / len(train_blocks), "seed": args.seed,
-        "minutes": seconds / 60, "train_loss": history[-1][1], "val_loss": history[-1][2],
+        "threads": args.threads, "minutes": seconds / 60,
+        "train_loss": history[-1][1], "val_loss": history[-1][2],
         "command": command,
     })
     print(f"\nsaved to {args.out} ({seconds / 60:.1f} min of training)")
