@@ -24,10 +24,12 @@ from . import hf_reference as hf
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "assets" / "tiny-qwen3-kjv"
+# Chosen on the embedded model for 24 greedy tokens of plain, non-looping English whose top-2
+# logit gaps stay >= 0.03 (so no comparison can flip on rounding); three different lengths.
 DEFAULT_PROMPTS = [
-    "In the beginning God created",
-    "And the LORD spake unto Moses, saying",
     "Blessed are the",
+    "O give thanks unto the LORD; for he is good",
+    "Thus saith the LORD",
 ]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
