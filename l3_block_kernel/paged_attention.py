@@ -5,7 +5,7 @@
     │ block 0 │ block 1 │ block 2 │ block 3 │ block 4 │         │
     └─────────┴─────────┴─────────┴─────────┴─────────┴─── ··· ─┘
     block_tables int32 [num_seqs, max_blocks]     context_lens int32 [num_seqs]
-        seq 0: [ 3,  0, -1 ]                          seq 0: 20     (-1: padding, never read)
+        seq 0: [ 3,  0,  0 ]                          seq 0: 20     (last 0: padding, never read)
         seq 1: [ 1,  4,  2 ]                          seq 1: 40
     with block_size 16, position 17 of seq 0 is row 17 % 16 = 1 of block 0 = block_tables[0, 17 // 16],
     i.e. slot 0 * 16 + 1 of the flat view [num_blocks * block_size, H_kv, D] that L2's writes use.
@@ -203,8 +203,8 @@ def load_extension():
                                   extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])
     except Exception as exc:  # a compiler error, no nvcc, or a CPU-only build of torch
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise RuntimeError(f"cannot build the L3 CUDA extension ({first_line}); it needs a CUDA build of "
-                           "torch and nvcc (set CUDA_HOME); use backend='reference' meanwhile") from exc
+        raise InputError(f"cannot build the L3 CUDA extension ({first_line}); it needs a CUDA build of "
+                         "torch and nvcc (set CUDA_HOME); use backend='reference' meanwhile") from exc
 
 
 def _expect(ok: bool, what: str, tensor: torch.Tensor) -> None:
