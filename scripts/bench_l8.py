@@ -15,6 +15,9 @@ Figures, per mode:
   total                     wall time of the whole run (sum of its steps)
 Each step is timed with harness.benchmark.timed (synchronized on CUDA). Every mode runs once
 untimed, then --repeat times alternating with the other; the best run (least total) is kept.
+On CPU the default is one torch thread: the embedded model is tiny, and on a busy 2-core machine
+a second thread makes every parallel region wait for the other thread's time slice (runs with 2
+threads there swung from 0.7x to 1.9x for the same comparison; with 1 they stay within 2.4-2.7x).
 
 The ideal saving: the first request must compute the prefix, the other N - 1 can reuse it, so at
 most (N - 1) * P / (N * (P + T)) of the prefill tokens are saved (86.1% for 32, 256, 32; P / (P + T)
@@ -62,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's ids")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per mode (the best is kept)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+                   help="torch CPU threads (default: 1 on cpu, torch's choice on cuda); see the notes above")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results to PATH")
     return p.parse_args(argv)
 
@@ -120,8 +123,8 @@ def main(argv=None) -> int:
         cfg = load_config(model_dir)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         check(args, cfg, device)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        if args.threads or device == "cpu":
+            torch.set_num_threads(args.threads or 1)
         dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
         model = load_block_model(model_dir, dtype, device)
     except InputError as exc:

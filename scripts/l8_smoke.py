@@ -28,7 +28,7 @@ SYSTEM_PROMPT = (
 TAILS = [  # (text after the system prompt, samples)
     ("In the beginning God created", 1),
     ("And the LORD spake unto Moses, saying", 1),
-    ("Blessed are the", 1),
+    ("Hear, O Israel", 1),
     ("The LORD is my shepherd", 1),
     ("And God said, Let there be light", 3),  # n = 3: its partial last block is copied on write
 ]
