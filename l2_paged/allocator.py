@@ -51,11 +51,13 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         # BEGIN SOLUTION
-        for i, b in enumerate(blocks):  # validate all first, so a bad id frees nothing
-            if not (isinstance(b, int) and 0 <= b < self.num_blocks):
+        seen = set()
+        for b in blocks:  # validate all first, so a bad id frees nothing
+            if not (isinstance(b, int) and not isinstance(b, bool) and 0 <= b < self.num_blocks):
                 raise ValueError(f"block id {b!r} is not in this pool (0..{self.num_blocks - 1})")
-            if self._is_free[b] or b in blocks[:i]:
+            if self._is_free[b] or b in seen:
                 raise ValueError(f"block {b} is already free (double free)")
+            seen.add(b)
         for b in blocks:
             self._is_free[b] = True
             self.free_blocks.append(b)

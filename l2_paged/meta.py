@@ -40,6 +40,9 @@ def build_meta(reqs: list[Request], num_new: list[int], device) -> tuple[torch.T
     ids, positions, slots, kv, q_req, k_req, k_pos = [], [], [], [], [], [], []
     for r, (req, n) in enumerate(zip(reqs, num_new)):
         start, end = req.cur_len, req.cur_len + n
+        if len(req.slot_indices) < end:
+            raise ValueError(f"request {req.request_id} has {len(req.slot_indices)} slots reserved and "
+                             f"needs {end}; call reserve() before building its metadata")
         ids += req.tokens[start:end]
         positions += range(start, end)
         slots += req.slot_indices[start:end]

@@ -14,11 +14,11 @@ import torch
 
 from l1_contiguous import Qwen3ForCausalLM
 
-from .allocator import BlockAllocator
+from .allocator import BlockAllocator, OutOfBlocksError
 from .attention import PagedAttention
 from .meta import build_meta
 from .pool import KvPool
-from .request import Request, release, reserve
+from .request import Request, blocks_needed, release, reserve
 
 
 @dataclass
@@ -49,14 +49,22 @@ class PagedRunner:
 
         Returns the logits of each request's last new token: [len(reqs), vocab].
         """
-        for req, n in zip(reqs, num_new):
-            reserve(req, self.alloc, req.cur_len + n)
+        self.reserve_all(reqs, num_new)
         input_ids, meta = self.build_meta(reqs, num_new)
         last = meta.cu_seqlens_q[1:] - 1  # each request's last new token
         logits = self.model(input_ids, self.pool, meta, logits_for=last)
         for req, n in zip(reqs, num_new):
             req.cur_len += n
         return logits
+
+    def reserve_all(self, reqs: list[Request], num_new: list[int]) -> None:
+        """Blocks for every request of the step, or (OutOfBlocksError) none at all."""
+        missing = sum(max(0, blocks_needed(r.cur_len + n, self.alloc.block_size) - len(r.blocks))
+                      for r, n in zip(reqs, num_new))
+        if missing > self.alloc.num_free:
+            raise OutOfBlocksError(missing, self.alloc.num_free)
+        for req, n in zip(reqs, num_new):
+            reserve(req, self.alloc, req.cur_len + n)
 
     def forward(self, reqs: list[Request], num_new: list[int]) -> list[int]:
         """`forward_logits`, then the greedy id of each request."""
