@@ -6,8 +6,8 @@ A generation run is split into its two phases by timing it twice:
     decode   = (time of a run that makes N new tokens - prefill) / (N - 1)   per step
 
 Both runs force exactly the asked number of tokens (no early stop on EOS), so the arithmetic holds.
-Every timer takes the best of `repeat` runs after `warmup` untimed ones: on a shared machine the
-best run is the one least disturbed by other work; the median is reported beside it.
+Timers keep the best of `repeat` runs after `warmup` untimed ones: on a shared machine the best
+run is the one least disturbed by other work (`timed` also gives the median).
 """
 
 from __future__ import annotations
@@ -59,13 +59,30 @@ def split_prefill_decode(run: Callable[[int], object], max_new_tokens: int, repe
 
     `run(n)` must generate exactly n new tokens for the same prompt(s) each call.
     """
+    return compare_phases({"": run}, max_new_tokens, repeat, warmup, device)[""]
+
+
+def compare_phases(runs: dict[str, Callable[[int], object]], max_new_tokens: int, repeat: int = 3,
+                   warmup: int = 1, device: torch.device | str | None = None) -> dict[str, PhaseTimes]:
+    """`split_prefill_decode` for several runners, interleaved round by round.
+
+    On a shared machine the load changes over seconds; taking turns gives every runner the same
+    chances, where timing one runner after the other would hand one of them the quiet minute.
+    """
     if max_new_tokens < 2:
         raise ValueError("max_new_tokens must be at least 2 to measure a decode step")
-    prefill = timed(lambda: run(1), repeat, warmup, device).best
-    total = timed(lambda: run(max_new_tokens), repeat, warmup, device).best
-    # max(): on a noisy machine the difference of two best times can dip below zero.
-    decode = max(total - prefill, 1e-9) / (max_new_tokens - 1)
-    return PhaseTimes(prefill, decode, total)
+    for run in runs.values():
+        for _ in range(warmup):
+            run(1), run(max_new_tokens)
+    best = {name: [float("inf"), float("inf")] for name in runs}
+    for _ in range(max(1, repeat)):
+        for name, run in runs.items():
+            for slot, n in enumerate((1, max_new_tokens)):
+                best[name][slot] = min(best[name][slot], timed(lambda: run(n), 1, 0, device).best)
+    # On a noisy machine the N-token run can come out no slower than the 1-token run: then the
+    # decode step is not measurable (nan), rather than an absurd figure.
+    return {name: PhaseTimes(t1, (tn - t1) / (max_new_tokens - 1) if tn > t1 else float("nan"), tn)
+            for name, (t1, tn) in best.items()}
 
 
 # ---------------------------------------------------------------- HF generate
@@ -117,7 +134,8 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, batched: b
 
 
 def tokens_per_s(tokens: float, seconds: float) -> float:
-    return tokens / seconds if seconds > 0 else float("inf")
+    """tokens / seconds; nan when the time was not measurable."""
+    return tokens / seconds if seconds > 0 else float("nan")
 
 
 def print_table(rows: list[dict], columns: list[str] | None = None, floatfmt: str = ".1f") -> None:
@@ -129,7 +147,7 @@ def print_table(rows: list[dict], columns: list[str] | None = None, floatfmt: st
     def cell(value) -> str:
         if isinstance(value, float):
             return format(value, floatfmt)
-        return "" if value is None else str(value)
+        return "n/a" if value is None else str(value)
 
     cells = [[cell(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
