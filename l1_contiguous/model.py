@@ -74,7 +74,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     # BEGIN SOLUTION
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # heads first: [H, T, D], [H_kv, S, D]
-        attn_mask=mask, enable_gqa=True)  # enable_gqa shares each KV head without copying it
+        attn_mask=mask, enable_gqa=True)  # query head h reads KV head h // (H / H_kv)
     return out.transpose(0, 1)
     # END SOLUTION
 
@@ -202,6 +202,8 @@ class Qwen3ForCausalLM(nn.Module):
         weights = load_weights(model_dir, cfg, dtype, device)
         with torch.device("meta"):  # build without allocating; the checkpoint's tensors are assigned
             model = cls(cfg, attention_cls)
+        # strict=False only because a tied head has no lm_head tensor; load_weights has already
+        # checked that every other tensor is present with the right shape.
         model.load_state_dict(weights, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight

@@ -60,7 +60,7 @@ def ours_runner(model: Qwen3ForCausalLM, prompts: list[list[int]]):
         outs = []
         for p in prompts:
             cache = ContiguousKvCache(model.config, len(p) + n, model.dtype, model.device)
-            outs.append(greedy_generate(model, p, n, cache, stop_ids=()).new_ids)
+            outs.append(greedy_generate(model, p, n, cache, stop_ids=(), keep_prompt_logits=False).new_ids)
         return outs
     return run
 

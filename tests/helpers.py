@@ -19,11 +19,13 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
 def load_script(name: str):
     """Import scripts/<name>.py as a module (scripts/ is not a package)."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the script runs
     spec.loader.exec_module(module)
     return module
 
