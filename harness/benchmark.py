@@ -12,6 +12,7 @@ run is the one least disturbed by other work (`timed` also gives the median).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass
@@ -162,3 +163,17 @@ def print_table(rows: list[dict], columns: list[str] | None = None, floatfmt: st
     print(line(["-" * w for w in widths]))
     for row in cells:
         print(line(row))
+
+
+def bench_parser(description: str, repeat: int = 3) -> argparse.ArgumentParser:
+    """The options every lesson benchmark shares; each script adds its workload's own."""
+    from harness.smoke import DEFAULT_MODEL, DTYPES
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--repeat", type=int, default=repeat, help=f"timed runs per measurement, best kept (default {repeat})")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results to PATH")
+    return p

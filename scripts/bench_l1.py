@@ -29,22 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import compare_phases, hf_generate, print_table, tokens_per_s  # noqa: E402
-from harness.smoke import DEFAULT_MODEL, DTYPES, resolve_model_dir  # noqa: E402
+from harness.benchmark import bench_parser, compare_phases, hf_generate, print_table, tokens_per_s  # noqa: E402
+from harness.smoke import DTYPES, resolve_model_dir  # noqa: E402
 from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate, load_config  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="default: float32 on cpu, bfloat16 on cuda")
+    p = bench_parser(__doc__.split("\n\n")[0], repeat=3)
     p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt (>= 2)")
     p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
     p.add_argument("--num-prompts", type=int, default=3, help="how many prompts")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per measurement (best is kept)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results to PATH")
     return p.parse_args(argv)
 
 

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import hf_generate, print_table, timed, tokens_per_s  # noqa: E402
-from harness.smoke import DEFAULT_MODEL, DTYPES, resolve_model_dir  # noqa: E402
+from harness.benchmark import bench_parser, hf_generate, print_table, timed, tokens_per_s  # noqa: E402
+from harness.smoke import DTYPES, resolve_model_dir  # noqa: E402
 from l1_contiguous import InputError, Qwen3ForCausalLM, greedy_generate, load_config  # noqa: E402
 from l2_paged import (BlockAllocator, KvPool, PagedRunner, Request, blocks_needed, bytes_per_block,  # noqa: E402
                       load_paged_model)
@@ -48,18 +48,12 @@ OUTPUT_LENS = (4, 128)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="default: float32 on cpu, bfloat16 on cuda")
+    p = bench_parser(__doc__.split("\n\n")[0], repeat=2)
     p.add_argument("--requests", type=int, default=16, help="requests in the workload (default 16)")
     p.add_argument("--block-size", type=int, default=16, help="L2 block size (default 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and ids")
-    p.add_argument("--repeat", type=int, default=2, help="timed rounds of every method (best is kept)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice; 1 is steadier on a busy shared CPU)")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results to PATH")
     return p.parse_args(argv)
 
 

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from harness.benchmark import print_table, timed  # noqa: E402
-from harness.smoke import DEFAULT_MODEL, DTYPES, resolve_model_dir  # noqa: E402
+from harness.benchmark import bench_parser, print_table, timed  # noqa: E402
+from harness.smoke import DTYPES, resolve_model_dir  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
 from l3_block_kernel import default_backend, load_block_model  # noqa: E402
@@ -52,21 +52,15 @@ from l8_prefix import make_prefix_engine  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="default: float32 on cpu, bfloat16 on cuda")
+    p = bench_parser(__doc__.split("\n\n")[0], repeat=3)
     p.add_argument("--requests", type=int, default=32, help="requests in the workload (default 32)")
     p.add_argument("--prefix-len", type=int, default=256, help="tokens of the shared prefix (default 256)")
     p.add_argument("--tail-len", type=int, default=32, help="tokens of each request's own tail (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="new tokens per request (default 8)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's ids")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per mode (the best is kept)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 on cpu, torch's choice on cuda); see the notes above")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results to PATH")
     return p.parse_args(argv)
 
 
