@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""L5 benchmark: throughput of the continuous-batching engine vs HF, and as its pool shrinks.
+
+The workload is --requests requests (default 32) with mixed prompt and output lengths drawn from
+a fixed seed, all arriving at step 0; every request makes exactly its own number of new tokens
+(EOS does not stop it). Throughput = generated tokens asked for / wall seconds of the whole run,
+prefill included. Each system runs once untimed, then --repeat rounds in which every system runs
+once (interleaved, so that load coming and going on a shared machine hits all of them alike);
+the best round is reported, the median beside it.
+
+  L5 engine           this lesson's engine, pool = 100% of what the requests need together
+  HF batched          transformers `generate` on one left-padded batch; it runs every row to the
+                      longest output, and only the tokens asked for are counted
+  HF continuous       transformers' own paged continuous batching (the manager behind
+                      `model.generate_batch`), given each request's own max_new_tokens
+  L5 pool 50% / 25%   the engine with half / a quarter of the blocks: preemption, by recompute
+                      and by swap
+
+and the same requests arriving in 4 waves, a quarter of the longest output apart (in engine
+steps): the L5 engine admits each wave as it comes, a static batcher runs one padded batch per
+wave, each after the one before ("HF batched, 4 waves").
+
+Two models: the one given by --model (default: the embedded model), and a random model with
+Qwen3-0.6B's shapes (hidden 1024, 16 / 8 heads of 128, vocabulary 151936) but 4 of its 28 layers
+and 16 shorter requests, so that it runs in minutes on a CPU (--skip-0.6b leaves it out).
+
+    python scripts/bench_l5.py                          # both models, cpu float32
+    python scripts/bench_l5.py --skip-0.6b --requests 64 --json bench_l5.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from harness import hf_reference as hf  # noqa: E402
+from harness.benchmark import hf_generate, print_table, timed, tokens_per_s  # noqa: E402
+from harness.smoke import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
+from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
+from l1_contiguous import InputError, load_config  # noqa: E402
+from l2_paged import blocks_needed  # noqa: E402
+from l3_block_kernel import load_block_model  # noqa: E402
+from l5_eviction import WorkItem, make_engine  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Settings:
+    block_size: int = 16  # the course's default, as vLLM's
+    prefill_chunk: int = 256  # prompt tokens per step: bounds the [T, S] mask of the prefill forward
+    repeat: int = 3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A workload's shape: how many requests and the ranges (inclusive) of their lengths."""
+
+    requests: int
+    prompt_lens: tuple[int, int]
+    output_lens: tuple[int, int]
+
+
+EMBEDDED_SHAPE = Shape(32, (8, 128), (8, 64))
+SMALL_06B_SHAPE = Shape(16, (8, 64), (4, 24))
+LAYERS_06B = 4  # of Qwen3-0.6B's 28: every matmul keeps its real size, there are just fewer of them
+WAVES = 4
+
+
+@dataclass(frozen=True)
+class System:
+    """One way to run the workload, and the row it is compared with in the "x base" column."""
+
+    run: Callable[[dict], list[list[int]]]
+    base: str
+    pool: int | None = None  # % of the demand (L5 only)
+    mode: str = "-"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    d = Settings()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded)")
+    p.add_argument("--requests", type=int, default=EMBEDDED_SHAPE.requests,
+                   help=f"requests in the workload of --model (default {EMBEDDED_SHAPE.requests})")
+    p.add_argument("--skip-0.6b", dest="skip_06b", action="store_true",
+                   help="leave out the Qwen3-0.6B-shaped random model")
+    p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=LAYERS_06B,
+                   help=f"layers of the 0.6B-shaped model (default {LAYERS_06B}; the real one has 28)")
+    p.add_argument("--repeat", type=int, default=d.repeat, help=f"timed rounds, best kept (default {d.repeat})")
+    p.add_argument("--block-size", type=int, default=d.block_size, help=f"L5 block size (default {d.block_size})")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help=f"L5 prompt tokens per step (default {d.prefill_chunk})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for every system (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workloads' lengths and ids")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results to PATH")
+    return p.parse_args(argv)
+
+
+def make_workload(shape: Shape, vocab_size: int, seed: int) -> list[WorkItem]:
+    rng = random.Random(seed)
+    return [WorkItem([rng.randrange(vocab_size) for _ in range(rng.randint(*shape.prompt_lens))],
+                     rng.randint(*shape.output_lens)) for _ in range(shape.requests)]
+
+
+def demand_blocks(items: list[WorkItem], block_size: int) -> int:
+    """Blocks all requests hold at once at their longest (the last new token's K/V is never written)."""
+    return sum(blocks_needed(len(w.prompt_ids) + w.max_new_tokens - 1, block_size) for w in items)
+
+
+# ---------------------------------------------------------------- the ways to run a workload
+# Each takes `last` (a dict where an L5 run leaves its engine) and returns every request's new ids.
+
+
+def l5_runner(model, items, num_blocks: int, s: Settings, mode: str = "recompute"):
+    def run(last: dict):
+        engine = make_engine(model, num_blocks, s.block_size, preempt=mode, prefill_chunk=s.prefill_chunk)
+        engine.eos_ids = set()  # exactly max_new_tokens per request, as in the HF runs
+        engine.run(items)
+        last["engine"] = engine
+        return [r.output_ids for r in engine.requests.values()]
+    return run
+
+
+def hf_batched_runner(hf_model, items):
+    def run(last: dict):
+        outs = hf_generate(hf_model, [w.prompt_ids for w in items], max(w.max_new_tokens for w in items),
+                           batched=True)
+        return [out[:w.max_new_tokens] for out, w in zip(outs, items)]
+    return run
+
+
+def hf_waves_runner(hf_model, waves: list[list[WorkItem]]):
+    """Static batching of requests that arrive in waves: one batch per wave, one after another."""
+    batches = [hf_batched_runner(hf_model, wave) for wave in waves]
+    return lambda last: [ids for run in batches for ids in run(last)]
+
+
+def in_waves(items: list[WorkItem], num_waves: int) -> list[list[WorkItem]]:
+    """Split into `num_waves` waves, a quarter of the longest output apart (for 4 waves)."""
+    gap = max(w.max_new_tokens for w in items) // num_waves
+    size = -(-len(items) // num_waves)
+    return [[replace(w, arrival_step=k * gap) for w in items[k * size:(k + 1) * size]] for k in range(num_waves)]
+
+
+def hf_continuous_runner(hf_model, items, s: Settings):
+    """transformers' continuous batching on this workload, or (None, why it cannot run here)."""
+    try:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError as exc:
+        return None, f"not in this transformers ({exc})"
+    if not hasattr(hf_model, "continuous_batching_context_manager"):
+        return None, "this transformers has no generate_batch / continuous batching manager"
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psutil notices on CPU
+    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
+                              max_new_tokens=max(w.max_new_tokens for w in items))
+    # generate_batch gives every request the same max_new_tokens; the manager it wraps takes each
+    # request's own, so that HF continuous does exactly the work the L5 engine does.
+    cb_config = ContinuousBatchingConfig(page_size=s.block_size,
+                                         num_blocks=demand_blocks(items, s.block_size) + len(items),
+                                         max_batch_tokens=s.prefill_chunk, allow_block_sharing=False)
+
+    def generate(items):
+        with hf_model.continuous_batching_context_manager(
+                generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5,
+                warmup=False) as manager:
+            ids = [manager.add_request(w.prompt_ids, request_id=f"r{i}", max_new_tokens=w.max_new_tokens)
+                   for i, w in enumerate(items)]
+            results = {}
+            while len(results) < len(ids):
+                out = manager.get_result(timeout=60)
+                if out is None:
+                    raise RuntimeError("HF continuous batching returned nothing for 60 s")
+                if out.is_finished():
+                    results[out.request_id] = list(out.generated_tokens)
+        return [results[i] for i in ids]
+
+    try:
+        generate(items[:2])  # does it run at all on this machine?
+    except Exception as exc:  # noqa: BLE001 - any failure is reported in the table, not raised
+        return None, f"fails here: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return (lambda last: generate(items)), None
+
+
+# ---------------------------------------------------------------- one model
+
+
+def systems_for(ours, theirs, items, s: Settings) -> tuple[dict[str, System], str | None]:
+    """The systems to time and, when HF continuous cannot run here, why."""
+    demand = demand_blocks(items, s.block_size)
+    base, base_waves = "HF batched", f"HF batched, {WAVES} waves"
+    systems = {"L5 engine": System(l5_runner(ours, items, demand, s), base, 100),
+               base: System(hf_batched_runner(theirs, items), base)}
+    run_cb, why_not = hf_continuous_runner(theirs, items, s)
+    if run_cb is not None:
+        systems["HF continuous"] = System(run_cb, base)
+    largest = max(demand_blocks([w], s.block_size) for w in items)
+    for pct in (50, 25):
+        num_blocks = max(demand * pct // 100, largest + 1)
+        for mode in ("recompute", "swap"):
+            systems[f"L5 pool {pct}% {mode}"] = System(l5_runner(ours, items, num_blocks, s, mode), base,
+                                                       round(100 * num_blocks / demand), mode)
+    waves = in_waves(items, WAVES)
+    systems[f"L5 engine, {WAVES} waves"] = System(l5_runner(ours, sum(waves, []), demand, s), base_waves, 100)
+    systems[base_waves] = System(hf_waves_runner(theirs, waves), base_waves)
+    return systems, why_not
+
+
+def time_rounds(systems: dict, repeat: int) -> tuple[dict, dict, dict]:
+    """One untimed round, then `repeat` rounds running every system once. -> seconds, ids, engines."""
+    seconds, ids, engines = {name: [] for name in systems}, {}, {}
+    with torch.inference_mode():
+        for round_ in range(repeat + 1):
+            for name, system in systems.items():
+                last: dict = {}
+                t = timed(lambda: ids.__setitem__(name, system.run(last)), repeat=1, warmup=0)
+                engines[name] = last.get("engine")
+                if round_:
+                    seconds[name].append(t.best)
+            print(f"  round {round_}/{repeat} done" + (" (warm-up)" if not round_ else ""), flush=True)
+    return seconds, ids, engines
+
+
+def table_rows(systems, seconds, ids, engines, tokens: int, num_requests: int) -> list[dict]:
+    rows = []
+    for name, system in systems.items():
+        best = min(seconds[name])
+        row = {"system": name, "pool %": system.pool, "mode": system.mode, "tokens": tokens, "best s": best,
+               "median s": statistics.median(seconds[name]), "tok/s": tokens_per_s(tokens, best)}
+        if engines[name] is not None:
+            totals = engines[name].summary()
+            row["preemptions"] = totals["preempted_recompute"] + totals["preempted_swap"]
+            row["recomputed"] = totals["tokens_recomputed"]
+            row["swapped MiB"] = totals["bytes_swapped_out"] / 2**20
+        rows.append(row)
+    speed = {row["system"]: row["tok/s"] for row in rows}
+    for row in rows:
+        row["x base"] = row["tok/s"] / speed[systems[row["system"]].base]
+        same = sum(a == b for a, b in zip(ids[row["system"]], ids["L5 engine"]))
+        row["same ids"] = f"{same}/{num_requests}"
+    return rows
+
+
+COLUMNS = ["system", "pool %", "mode", "tokens", "best s", "median s", "tok/s", "x base",
+           "preemptions", "recomputed", "swapped MiB", "same ids"]
+
+
+def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings) -> dict:
+    cfg = load_config(model_dir)
+    ours, theirs = load_block_model(model_dir), hf.load_hf_model(str(model_dir))
+    demand, tokens = demand_blocks(items, s.block_size), sum(w.max_new_tokens for w in items)
+    print(f"\n== {label}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} · "
+          f"{len(items)} requests, prompts {sum(len(w.prompt_ids) for w in items)} tokens, "
+          f"{tokens} new tokens, demand {demand} blocks of {s.block_size}")
+    print("lengths (prompt+new): " + " ".join(f"{len(w.prompt_ids)}+{w.max_new_tokens}" for w in items))
+    systems, why_not = systems_for(ours, theirs, items, s)
+    seconds, ids, engines = time_rounds(systems, s.repeat)
+    rows = table_rows(systems, seconds, ids, engines, tokens, len(items))
+    if why_not:
+        rows.append({"system": "HF continuous", "mode": why_not})
+    print()
+    print_table(rows, COLUMNS, floatfmt=".2f")
+    print(f"x base: tok/s over HF batched's (over HF batched, {WAVES} waves' for the wave rows); "
+          "same ids: requests whose ids equal the L5 engine's at full pool")
+    return {"label": label, "model": str(model_dir), "layers": cfg.num_hidden_layers,
+            "requests": len(items), "new_tokens": tokens, "demand_blocks": demand,
+            "lengths": [[len(w.prompt_ids), w.max_new_tokens] for w in items], "rows": rows}
+
+
+def bench_06b(args, s: Settings) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        shape = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
+        path = make_random_model(Path(tmp) / "qwen3-0.6b-shaped", num_hidden_layers=args.layers_06b, **shape)
+        label = (f"Qwen3-0.6B-shaped random model, {args.layers_06b} of 28 layers, {SMALL_06B_SHAPE.requests} "
+                 f"shorter requests (the full model and workload are too slow on this CPU)")
+        items = make_workload(SMALL_06B_SHAPE, QWEN3_0_6B["vocab_size"], args.seed)
+        return bench_model(label, path, items, s)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if min(args.requests, args.repeat, args.layers_06b, args.threads or 1, args.block_size,
+               args.prefill_chunk) < 1:
+            raise InputError("--requests, --repeat, --layers-0.6b, --threads, --block-size and "
+                             "--prefill-chunk must be at least 1")
+        model_dir = resolve_model_dir(args.model)
+        cfg = load_config(model_dir)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import transformers
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    s = Settings(args.block_size, args.prefill_chunk, args.repeat)
+    header = {"device": "cpu", "dtype": "float32", "torch": torch.__version__,
+              "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+              "cpu": platform.processor() or platform.machine(), "block_size": s.block_size,
+              "prefill_chunk": s.prefill_chunk, "repeat": s.repeat,
+              "load average": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    print(" · ".join(f"{key} {value}" for key, value in header.items()))
+    shape = Shape(args.requests, EMBEDDED_SHAPE.prompt_lens, EMBEDDED_SHAPE.output_lens)
+    results = [bench_model(str(model_dir), model_dir, make_workload(shape, cfg.vocab_size, args.seed), s)]
+    if not args.skip_06b:
+        results.append(bench_06b(args, s))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**header, "models": results}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
