@@ -83,8 +83,8 @@ def test_mismatch_exits_1(tiny_model_dir, capsys, monkeypatch):
 
     real = g.forward_step
 
-    def off_by_one_cache(model, cache, ids):  # the classic bug: length T + 1 after prefill
-        out = real(model, cache, ids)
+    def off_by_one_cache(model, cache, ids, **kwargs):  # the classic bug: length T + 1 after prefill
+        out = real(model, cache, ids, **kwargs)
         if len(ids) > 1:
             cache.length += 1
         return out
