@@ -24,8 +24,9 @@ Two models: the one given by --model (default: the embedded model), and a random
 Qwen3-0.6B's shapes (hidden 1024, 16 / 8 heads of 128, vocabulary 151936) but 4 of its 28 layers
 and 16 shorter requests, so that it runs in minutes on a CPU (--skip-0.6b leaves it out).
 
-    python scripts/bench_l5.py                          # both models, cpu float32
+    python scripts/bench_l5.py                          # both models; cuda bf16 if present, else cpu fp32
     python scripts/bench_l5.py --skip-0.6b --requests 64 --json bench_l5.json
+    python scripts/bench_l5.py --device cuda --layers-0.6b 28   # the full 0.6B shape on a GPU
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import hf_generate, print_table, timed, tokens_per_s  # noqa: E402
-from harness.smoke import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
+from harness.benchmark import bench_parser, hf_generate, print_table, timed, tokens_per_s  # noqa: E402
+from harness.smoke import DTYPES, resolve_model_dir  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
@@ -62,6 +63,8 @@ class Settings:
     block_size: int = 16  # the course's default, as vLLM's
     prefill_chunk: int = 256  # prompt tokens per step: bounds the [T, S] mask of the prefill forward
     repeat: int = 3
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass(frozen=True)
@@ -91,22 +94,19 @@ class System:
 
 def parse_args(argv=None) -> argparse.Namespace:
     d = Settings()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded)")
+    p = bench_parser(__doc__.split("\n\n")[0], repeat=d.repeat)  # --model --device --dtype --repeat --json
     p.add_argument("--requests", type=int, default=EMBEDDED_SHAPE.requests,
                    help=f"requests in the workload of --model (default {EMBEDDED_SHAPE.requests})")
     p.add_argument("--skip-0.6b", dest="skip_06b", action="store_true",
                    help="leave out the Qwen3-0.6B-shaped random model")
     p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=LAYERS_06B,
                    help=f"layers of the 0.6B-shaped model (default {LAYERS_06B}; the real one has 28)")
-    p.add_argument("--repeat", type=int, default=d.repeat, help=f"timed rounds, best kept (default {d.repeat})")
     p.add_argument("--block-size", type=int, default=d.block_size, help=f"L5 block size (default {d.block_size})")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
                    help=f"L5 prompt tokens per step (default {d.prefill_chunk})")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for every system (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads' lengths and ids")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results to PATH")
     return p.parse_args(argv)
 
 
@@ -220,14 +220,14 @@ def systems_for(ours, theirs, items, s: Settings) -> tuple[dict[str, System], st
     return systems, why_not
 
 
-def time_rounds(systems: dict, repeat: int) -> tuple[dict, dict, dict]:
+def time_rounds(systems: dict, repeat: int, device: str) -> tuple[dict, dict, dict]:
     """One untimed round, then `repeat` rounds running every system once. -> seconds, ids, engines."""
     seconds, ids, engines = {name: [] for name in systems}, {}, {}
     with torch.inference_mode():
         for round_ in range(repeat + 1):
             for name, system in systems.items():
                 last: dict = {}
-                t = timed(lambda: ids.__setitem__(name, system.run(last)), repeat=1, warmup=0)
+                t = timed(lambda: ids.__setitem__(name, system.run(last)), repeat=1, warmup=0, device=device)
                 engines[name] = last.get("engine")
                 if round_:
                     seconds[name].append(t.best)
@@ -261,14 +261,15 @@ COLUMNS = ["system", "pool %", "mode", "tokens", "best s", "median s", "tok/s", 
 
 def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings) -> dict:
     cfg = load_config(model_dir)
-    ours, theirs = load_block_model(model_dir), hf.load_hf_model(str(model_dir))
+    ours = load_block_model(model_dir, s.dtype, s.device)
+    theirs = hf.load_hf_model(str(model_dir), s.device, s.dtype)
     demand, tokens = demand_blocks(items, s.block_size), sum(w.max_new_tokens for w in items)
     print(f"\n== {label}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} · "
           f"{len(items)} requests, prompts {sum(len(w.prompt_ids) for w in items)} tokens, "
           f"{tokens} new tokens, demand {demand} blocks of {s.block_size}")
     print("lengths (prompt+new): " + " ".join(f"{len(w.prompt_ids)}+{w.max_new_tokens}" for w in items))
     systems, why_not = systems_for(ours, theirs, items, s)
-    seconds, ids, engines = time_rounds(systems, s.repeat)
+    seconds, ids, engines = time_rounds(systems, s.repeat, s.device)
     rows = table_rows(systems, seconds, ids, engines, tokens, len(items))
     if why_not:
         rows.append({"system": "HF continuous", "mode": why_not})
@@ -282,11 +283,13 @@ def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings)
 
 
 def bench_06b(args, s: Settings) -> dict:
+    """The 0.6B shape, saved from a random init to a temporary folder (fp32, about 0.9 GB at 4 layers)."""
     with tempfile.TemporaryDirectory() as tmp:
         shape = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
         path = make_random_model(Path(tmp) / "qwen3-0.6b-shaped", num_hidden_layers=args.layers_06b, **shape)
-        label = (f"Qwen3-0.6B-shaped random model, {args.layers_06b} of 28 layers, {SMALL_06B_SHAPE.requests} "
-                 f"shorter requests (the full model and workload are too slow on this CPU)")
+        label = f"Qwen3-0.6B-shaped random model, {args.layers_06b} of 28 layers, {SMALL_06B_SHAPE.requests} requests"
+        if s.device == "cpu":
+            label += " (shorter ones: the full model and workload are too slow on this CPU)"
         items = make_workload(SMALL_06B_SHAPE, QWEN3_0_6B["vocab_size"], args.seed)
         return bench_model(label, path, items, s)
 
@@ -300,6 +303,9 @@ def main(argv=None) -> int:
                              "--prefill-chunk must be at least 1")
         model_dir = resolve_model_dir(args.model)
         cfg = load_config(model_dir)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise InputError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -307,8 +313,9 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    s = Settings(args.block_size, args.prefill_chunk, args.repeat)
-    header = {"device": "cpu", "dtype": "float32", "torch": torch.__version__,
+    dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
+    s = Settings(args.block_size, args.prefill_chunk, args.repeat, device, dtype)
+    header = {"device": device, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
               "transformers": transformers.__version__, "threads": torch.get_num_threads(),
               "cpu": platform.processor() or platform.machine(), "block_size": s.block_size,
               "prefill_chunk": s.prefill_chunk, "repeat": s.repeat,
