@@ -23,17 +23,8 @@ from l3_block_kernel import BlockKvPool, load_block_model
 from l5_eviction import (MODES, POLICIES, EngineRequest, Preemptor, RequestTooLargeError, Scheduler,
                          ScorePolicy, State, WorkItem, lru_key, make_engine, make_policy, priority_key)
 
-pytestmark = [pytest.mark.l5]
+pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models here are tiny: a second thread gains nothing, and on a busy machine every
-    parallel region would wait for the other thread's time slice (100x slower, measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 BLOCK_SIZE = 4
 HUGE_POOL = 1000

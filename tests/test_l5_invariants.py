@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -21,17 +20,8 @@ from l3_block_kernel import load_block_model
 from l5_eviction import MODES, POLICIES, RequestTooLargeError, State, WorkItem, make_engine
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, quarter_pool
 
-pytestmark = [pytest.mark.l5]
+pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models here are tiny: a second thread gains nothing, and on a busy machine every
-    parallel region would wait for the other thread's time slice (100x slower, measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 # A very small random Qwen3 for the long runs: one layer, hidden 32, vocabulary 128.
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

@@ -3,21 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers import random_prompt, run_script_json
 
-pytestmark = [pytest.mark.l5]
+pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models here are tiny: a second thread gains nothing, and on a busy machine every
-    parallel region would wait for the other thread's time slice (100x slower, measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def check_figures(report) -> None:

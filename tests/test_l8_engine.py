@@ -8,7 +8,6 @@ import functools
 from collections import Counter
 
 import pytest
-import torch
 
 from harness import hf_reference as hf
 from helpers import random_prompt
@@ -17,7 +16,7 @@ from l3_block_kernel import load_block_model
 from l5_eviction import State, WorkItem
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
 
-pytestmark = [pytest.mark.l8]
+pytestmark = [pytest.mark.l8, pytest.mark.usefixtures("one_torch_thread")]
 
 BS = 4  # small blocks: short prompts span many of them
 VOCAB = 512  # harness.tiny_models.TINY
@@ -27,15 +26,6 @@ PREFIX = random_prompt(22, VOCAB, seed=4)  # 5 full blocks of 4, and 2 tokens in
 def tail(k: int) -> list[int]:
     return random_prompt(k, VOCAB, seed=100 + k)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The models here are tiny: a second intra-op thread gains nothing, and on a busy machine each
-    parallel region waits for the other thread's time slice."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,9 @@ from l2_paged import reserve
 from l5_eviction import State
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
 from test_l8_engine import PREFIX, check_all_released, check_invariants, guard_writes, tail
-from test_l8_engine import _one_thread, hf_ref, model  # noqa: F401  (fixtures)
+from test_l8_engine import hf_ref, model  # noqa: F401  (fixtures)
 
-pytestmark = [pytest.mark.l8]
+pytestmark = [pytest.mark.l8, pytest.mark.usefixtures("one_torch_thread")]
 
 # ---------------------------------------------------------------- a model that is only bookkeeping
 

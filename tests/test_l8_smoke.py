@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import random_prompt, run_script_json
-from test_l8_engine import _one_thread  # noqa: F401  (fixture: one intra-op thread for tiny models)
 
-pytestmark = [pytest.mark.l8]
+pytestmark = [pytest.mark.l8, pytest.mark.usefixtures("one_torch_thread")]
 
 COUNTERS = ["memory_utilization", "peak_memory_utilization", "sharing_ratio", "peak_sharing_ratio",
             "prefix_hit_tokens", "hit_rate", "prefill_tokens_computed", "prefill_tokens_total",
