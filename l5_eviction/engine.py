@@ -67,7 +67,11 @@ class Engine:
 
     def add_request(self, item: WorkItem) -> EngineRequest:
         req = self._new_request(item)
-        self.scheduler.add(req) if req.arrival_step <= self.now else self._check_and_defer(req)
+        if req.arrival_step <= self.now:
+            self.scheduler.add(req)
+        else:
+            self.scheduler.check(req)  # a too-large request is rejected now, not when it arrives
+            self.future.append(req)
         self.requests[req.request_id] = req
         return req
 
@@ -75,11 +79,6 @@ class Engine:
         return self.request_cls(list(item.prompt_ids), item.max_new_tokens, request_id=len(self.requests),
                                 priority=item.priority, arrival_step=max(item.arrival_step, self.now),
                                 stop_token_ids=tuple(item.stop_token_ids))
-
-    def _check_and_defer(self, req: EngineRequest) -> None:
-        self.scheduler.add(req)  # rejects a too-large request now, not when it arrives
-        self.scheduler.waiting.remove(req)
-        self.future.append(req)
 
     def abort(self, request_id: int) -> None:
         req = self.requests[request_id]
@@ -144,7 +143,7 @@ class Engine:
     def _arrivals(self) -> None:
         for req in [r for r in self.future if r.arrival_step <= self.now]:
             self.future.remove(req)
-            self.scheduler.waiting.append(req)
+            self.scheduler.add(req)
 
     # ------------------------------------------------------------------ running a workload
 

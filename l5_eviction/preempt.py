@@ -103,6 +103,9 @@ def trim(req: EngineRequest, alloc: BlockAllocator) -> None:
 
 
 def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """`t` is a fresh gather of the victim's blocks; on a CPU pool it already is the host copy."""
+    if t.device.type == "cpu":
+        return t
     host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
     host.copy_(t)
     return host

@@ -41,6 +41,12 @@ class Scheduler:
         self.swapped: deque[EngineRequest] = deque()
 
     def add(self, req: EngineRequest) -> None:
+        self.check(req)
+        req.state = State.WAITING
+        self.waiting.append(req)
+
+    def check(self, req: EngineRequest) -> None:
+        """Reject, at once, a request that could never run."""
         if not req.prompt_ids or req.max_new_tokens < 1:  # either would never be scheduled correctly
             raise InputError(f"request {req.request_id} has {len(req.prompt_ids)} prompt tokens and "
                              f"max_new_tokens={req.max_new_tokens}; it needs at least 1 of each")
@@ -50,8 +56,6 @@ class Scheduler:
                 f"request {req.request_id} needs {need} blocks (prompt {len(req.prompt_ids)} + "
                 f"{req.max_new_tokens} new tokens) but the pool has {self.alloc.num_blocks}; "
                 f"shorten it or give the pool more blocks")
-        req.state = State.WAITING
-        self.waiting.append(req)
 
     def schedule(self, now: int) -> list[tuple[EngineRequest, int]]:
         """The plan for step `now`: (request, tokens to compute). Blocks are reserved for all."""
