@@ -10,9 +10,12 @@
     with block_size 16, position 17 of seq 0 is row 17 % 16 = 1 of block 0 = block_tables[0, 17 // 16],
     i.e. slot 0 * 16 + 1 of the flat view [num_blocks * block_size, H_kv, D] that L2's writes use.
 
-One algorithm, two implementations:
+One algorithm, two implementations, and a CPU stand-in:
 - `paged_attention_reference`: PyTorch, runs anywhere; the oracle for the kernel.
 - the CUDA kernel in csrc/paged_attention.cu, built on first use by `load_extension()`.
+- `paged_attention_gather`: copies each sequence's blocks into a padded batch and calls SDPA once.
+  The same result, by the copy the kernel exists to avoid; on a CPU that copy costs less than the
+  reference's Python loop over blocks, so engines that care about speed use it there (L5).
 `paged_attention` checks the inputs and picks one.
 """
 
@@ -22,6 +25,7 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from l1_contiguous.errors import InputError
 
@@ -32,7 +36,7 @@ EXTENSION_NAME = "l3_paged_attention"
 KERNEL_HEAD_DIMS = (32, 64, 128)
 KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BACKENDS = ("auto", "kernel", "reference")
+BACKENDS = ("auto", "kernel", "gather", "reference")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -45,8 +49,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs].
     Returns [num_seqs, H, D] in q's dtype. scale defaults to 1 / sqrt(D).
 
-    backend: "kernel" (CUDA), "reference" (PyTorch), or "auto": the kernel when q is on CUDA and
-    `kernel_unsupported_reason` finds nothing against it, else the reference.
+    backend: "kernel" (CUDA), "reference" (PyTorch), "gather" (PyTorch, fast on CPU), or "auto":
+    the kernel when q is on CUDA and `kernel_unsupported_reason` finds nothing against it, else
+    the reference.
     check_values: also check every length and every block id a sequence uses. On CUDA this reads
     the tables back to the host (a sync), so a hot loop whose tables were built and checked on
     the host passes False.
@@ -54,13 +59,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     if check_values:
         check_table_values(k_cache, block_tables, context_lens)
-    use_kernel = _pick_backend(backend, q, k_cache) == "kernel"
+    backend = _pick_backend(backend, q, k_cache)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    if use_kernel:
+    if backend == "kernel":
         return load_extension().forward(q.contiguous(), k_cache, v_cache, block_tables.contiguous(),
                                         context_lens.contiguous(), scale)
+    if backend == "gather":
+        return paged_attention_gather(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -116,6 +123,32 @@ def _read_block(k_cache, v_cache, block_tables, lens, j, math_dtype):
     v = torch.where(valid[:, :, None, None], v_cache[block_ids].to(math_dtype), 0.0)
     return k, v, valid
     # END SOLUTION
+
+
+def paged_attention_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float | None = None) -> torch.Tensor:
+    """The same attention as the reference, computed as gather-then-SDPA: fast on CPU, not a kernel.
+
+    Copies every table column's block (padding columns read block 0) into K, V [S, H_kv, L, D]
+    with L = max_blocks * block_size, zeroes the positions past each length (their slots may hold
+    NaN, and a masked score of NaN stays NaN), and masks them out of one batched SDPA call.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    length = block_tables.shape[1] * block_size
+    positions = torch.arange(length, device=q.device)
+    valid = positions[None, :] < context_lens[:, None].long()                       # [S, L]
+    block_used = valid[:, ::block_size]                                             # [S, max_blocks]
+    block_ids = torch.where(block_used, block_tables.long(), 0)
+
+    def gather(cache):  # -> [S, H_kv, L, D]
+        history = cache[block_ids].view(num_seqs, length, num_kv_heads, head_dim)  # a fresh copy
+        return history.masked_fill_(~valid[:, :, None, None], 0.0).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(q[:, :, None, :], gather(k_cache), gather(v_cache),
+                                         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    return out[:, :, 0]  # [S, H, D]
 
 
 def check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:

@@ -2,12 +2,16 @@
 
 from .engine import Engine, StepRecord, WorkItem, generated_ids, make_engine
 from .lifecycle import EngineRequest, State, SwappedKv
+from .mixed import (MixedBatchAttention, MixedBatchMeta, StepRunner, build_step_meta, check_engine_model,
+                    engine_backend, load_engine_model)
 from .policies import POLICIES, ScorePolicy, lru_key, make_policy, priority_key
 from .preempt import MODES, PreemptCounters, Preemptor, trim
 from .scheduler import RequestTooLargeError, Scheduler
 
 __all__ = [
     "Engine", "StepRecord", "WorkItem", "generated_ids", "make_engine", "EngineRequest", "State",
-    "SwappedKv", "POLICIES", "ScorePolicy", "lru_key", "make_policy", "priority_key", "MODES",
-    "PreemptCounters", "Preemptor", "trim", "RequestTooLargeError", "Scheduler",
+    "SwappedKv", "MixedBatchAttention", "MixedBatchMeta", "StepRunner", "build_step_meta",
+    "check_engine_model", "engine_backend", "load_engine_model", "POLICIES", "ScorePolicy", "lru_key",
+    "make_policy", "priority_key", "MODES", "PreemptCounters", "Preemptor", "trim",
+    "RequestTooLargeError", "Scheduler",
 ]

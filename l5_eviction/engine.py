@@ -1,6 +1,6 @@
 """The engine: a workload of requests arriving over time, run step by step to completion.
 
-    step():  arrivals ─► scheduler.schedule() ─► prefill forward (chunks) ─► decode forward
+    step():  arrivals ─► scheduler.schedule() ─► one forward: decodes, then prefill chunks
              ─► commit: advance cur_len, append tokens, finish and free ─► timeline record
     A step that raises (e.g. inside a layer) is rolled back: cur_len and outputs stay as before
     the step, blocks reserved for it are trimmed, and the next step simply runs it again.
@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from l2_paged import BlockAllocator
-from l3_block_kernel import BlockKvPool, BlockTableRunner
+from l3_block_kernel import BlockKvPool
 
 from .lifecycle import EngineRequest, State
+from .mixed import StepRunner
 from .policies import make_policy
 from .preempt import Preemptor, trim
 from .scheduler import Scheduler
@@ -50,7 +51,7 @@ class Engine:
                  preempt: str = "recompute", prefill_chunk: int | None = None,
                  watermark_blocks: int = 1, backend: str | None = None):
         self.model, self.pool, self.alloc = model, pool, alloc
-        self.runner = BlockTableRunner(model, pool, alloc, backend=backend)
+        self.runner = StepRunner(model, pool, alloc, backend=backend)
         self.preemptor = Preemptor(pool, alloc, preempt)
         self.scheduler = self._make_scheduler(make_policy(policy, alloc.num_blocks), prefill_chunk,
                                               watermark_blocks)
@@ -107,14 +108,13 @@ class Engine:
         return record
 
     def _run(self, plan) -> dict[int, int]:
-        """One forward for prefill chunks, one for decodes; returns request id -> sampled token."""
-        tokens = {}
-        for group in ([p for p in plan if p[1] > 1], [p for p in plan if p[1] == 1]):
-            if group:
-                reqs, num_new = [r for r, _ in group], [n for _, n in group]
-                logits = self.runner.forward_logits(reqs, num_new)
-                tokens |= dict(zip((r.request_id for r in reqs), self._sample(reqs, logits)))
-        return tokens
+        """One forward for the whole plan, decodes first (see mixed.py); request id -> sampled token."""
+        if not plan:
+            return {}
+        ordered = sorted(plan, key=lambda entry: entry[1] > 1)  # stable: policy order within each kind
+        reqs, num_new = [r for r, _ in ordered], [n for _, n in ordered]
+        logits = self.runner.forward_logits(reqs, num_new)
+        return dict(zip((r.request_id for r in reqs), self._sample(reqs, logits)))
 
     def _sample(self, reqs: list[EngineRequest], logits) -> list[int]:
         """Greedy. (L8 adds temperature sampling with a generator per request.)"""

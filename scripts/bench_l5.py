@@ -54,8 +54,7 @@ from harness.smoke import DTYPES, resolve_model_dir  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
-from l3_block_kernel import load_block_model  # noqa: E402
-from l5_eviction import WorkItem, make_engine  # noqa: E402
+from l5_eviction import WorkItem, load_engine_model, make_engine  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -261,7 +260,7 @@ COLUMNS = ["system", "pool %", "mode", "tokens", "best s", "median s", "tok/s", 
 
 def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings) -> dict:
     cfg = load_config(model_dir)
-    ours = load_block_model(model_dir, s.dtype, s.device)
+    ours = load_engine_model(model_dir, s.dtype, s.device)
     theirs = hf.load_hf_model(str(model_dir), s.device, s.dtype)
     demand, tokens = demand_blocks(items, s.block_size), sum(w.max_new_tokens for w in items)
     print(f"\n== {label}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} · "

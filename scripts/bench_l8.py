@@ -46,8 +46,7 @@ from harness.benchmark import bench_parser, print_table, timed  # noqa: E402
 from harness.smoke import DTYPES, resolve_model_dir  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
-from l3_block_kernel import default_backend, load_block_model  # noqa: E402
-from l5_eviction import WorkItem  # noqa: E402
+from l5_eviction import WorkItem, engine_backend, load_engine_model  # noqa: E402
 from l8_prefix import make_prefix_engine  # noqa: E402
 
 
@@ -120,11 +119,11 @@ def main(argv=None) -> int:
         if args.threads or device == "cpu":
             torch.set_num_threads(args.threads or 1)
         dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
-        model = load_block_model(model_dir, dtype, device)
+        model = load_engine_model(model_dir, dtype, device)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    backend = default_backend(device)
+    backend = engine_backend(device)
     items = make_workload(args, cfg.vocab_size)
     num_blocks = sum(blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items)
     n, p, t = args.requests, args.prefix_len, args.tail_len

@@ -20,9 +20,9 @@ LESSON = "L3"
 
 def add_options(parser):
     l2_smoke.add_options(parser)
-    parser.add_argument("--backend", choices=["kernel", "reference"], default=None,
-                        help="decode attention: the CUDA kernel or the PyTorch reference "
-                             "(default: kernel on CUDA, reference on CPU)")
+    parser.add_argument("--backend", choices=["kernel", "gather", "reference"], default=None,
+                        help="decode attention: the CUDA kernel, the PyTorch reference, or gather (PyTorch, "
+                             "copies the blocks; fast on CPU) (default: kernel on CUDA, reference on CPU)")
 
 
 def run(args, setup) -> LessonRun:

@@ -12,8 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
 from l1_contiguous import InputError  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
-from l3_block_kernel import default_backend, load_block_model  # noqa: E402
-from l5_eviction import MODES, POLICIES, WorkItem, make_engine  # noqa: E402
+from l5_eviction import MODES, POLICIES, WorkItem, engine_backend, load_engine_model, make_engine  # noqa: E402
 
 LESSON = "L5"
 WORKLOAD_PROMPTS = [
@@ -36,8 +35,8 @@ def add_options(parser):
     parser.add_argument("--preempt", choices=MODES, default="recompute")
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="at most this many prompt tokens per step (default: no chunking)")
-    parser.add_argument("--backend", choices=["kernel", "reference"], default=None,
-                        help="decode attention (default: kernel on CUDA, reference on CPU)")
+    parser.add_argument("--backend", choices=["kernel", "gather", "reference"], default=None,
+                        help="decode attention (default: kernel on CUDA, gather on CPU; reference is L3's oracle)")
 
 
 def workload(args, setup) -> list[WorkItem]:
@@ -69,8 +68,8 @@ def pool_blocks(args, items: list[WorkItem]) -> int:
 def run(args, setup) -> LessonRun:
     check_options(args)
     items = workload(args, setup)
-    model = load_block_model(setup.model_dir, setup.dtype, setup.device)
-    backend = args.backend or default_backend(setup.device)
+    model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
+    backend = args.backend or engine_backend(setup.device)
     engine = make_engine(model, pool_blocks(args, items), args.block_size, policy=args.policy,
                          preempt=args.preempt, prefill_chunk=args.prefill_chunk, backend=backend)
     requests = engine.run(items)

@@ -13,8 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
 from l1_contiguous import InputError  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
-from l3_block_kernel import default_backend, load_block_model  # noqa: E402
-from l5_eviction import MODES  # noqa: E402
+from l5_eviction import MODES, engine_backend, load_engine_model  # noqa: E402
 from l8_prefix import SampledWorkItem, make_prefix_engine  # noqa: E402
 
 LESSON = "L8"
@@ -45,8 +44,8 @@ def add_options(parser):
                         help="pool size (default: enough for every request and sample without sharing)")
     parser.add_argument("--preempt", choices=MODES, default="recompute",
                         help="how a request is preempted when the pool runs out (default: recompute)")
-    parser.add_argument("--backend", choices=["kernel", "reference"], default=None,
-                        help="decode attention (default: kernel on CUDA, reference on CPU)")
+    parser.add_argument("--backend", choices=["kernel", "gather", "reference"], default=None,
+                        help="decode attention (default: kernel on CUDA, gather on CPU; reference is L3's oracle)")
 
 
 def workload(args, setup) -> list[SampledWorkItem]:
@@ -88,8 +87,8 @@ def run(args, setup) -> LessonRun:
     check_options(args)
     items = workload(args, setup)
     num_blocks = pool_blocks(args, items)
-    model = load_block_model(setup.model_dir, setup.dtype, setup.device)
-    backend = args.backend or default_backend(setup.device)
+    model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
+    backend = args.backend or engine_backend(setup.device)
     engine = make_prefix_engine(model, num_blocks, args.block_size, prefix_sharing=args.prefix_sharing == "on",
                                 preempt=args.preempt, backend=backend)
     requests = engine.run(items)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from l3_block_kernel.paged_attention import (
-    CSRC_DIR, KERNEL_SOURCE, load_extension, paged_attention, paged_attention_reference)
+    CSRC_DIR, KERNEL_SOURCE, load_extension, paged_attention, paged_attention_gather, paged_attention_reference)
 
 pytestmark = [pytest.mark.l3]
 
@@ -124,6 +124,30 @@ def test_unused_slots_never_reach_the_result(fill):
     torch.testing.assert_close(out.double(), naive_attention(*case), rtol=1e-4, atol=1e-5)
 
 
+# ---------------------------------------------------------------- the gather backend (CPU speed)
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("group", GQA_GROUPS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_gather_backend_matches_naive(block_size, group):
+    case = make_case(MIXED_LENS, block_size, num_kv_heads=2, group=group, head_dim=32, dtype=torch.float64)
+    out = paged_attention(*case, backend="gather")
+    assert out.dtype == torch.float64 and out.shape == case[0].shape
+    torch.testing.assert_close(out, naive_attention(*case), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("pad", [-1, 2**31 - 1])
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")])
+def test_gather_backend_ignores_unused_slots_and_padding(fill, pad):
+    case = make_case(MIXED_LENS, 16, group=4, fill=fill, pad=pad)
+    out = paged_attention_gather(*case, scale=0.2)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.double(), naive_attention(*case, scale=0.2), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, paged_attention_reference(*case, scale=0.2), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.points(1)
 def test_scale_and_output_dtype():
     case = make_case([3, 40], 8)
@@ -183,7 +207,7 @@ def test_bad_inputs_raise_one_line_value_errors(name, mutate, message):
 @pytest.mark.points(1)
 def test_backend_choice_is_checked():
     case = make_case([5], 16)
-    with pytest.raises(ValueError, match="backend must be one of auto, kernel, reference"):
+    with pytest.raises(ValueError, match="backend must be one of auto, kernel, gather, reference"):
         paged_attention(*case, backend="triton")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="kernel needs CUDA; use backend='reference'"):

@@ -19,9 +19,9 @@ from harness import hf_reference as hf
 from helpers import hf_ids, random_prompt
 from l1_contiguous import InputError, Qwen3Config
 from l2_paged import BlockAllocator, blocks_needed, bytes_per_block, reserve
-from l3_block_kernel import BlockKvPool, load_block_model
-from l5_eviction import (MODES, POLICIES, EngineRequest, Preemptor, RequestTooLargeError, Scheduler,
-                         ScorePolicy, State, WorkItem, lru_key, make_engine, make_policy, priority_key)
+from l3_block_kernel import BlockKvPool
+from l5_eviction import (MODES, POLICIES, EngineRequest, Preemptor, RequestTooLargeError, Scheduler, ScorePolicy,
+                         State, WorkItem, load_engine_model, lru_key, make_engine, make_policy, priority_key)
 
 pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -72,7 +72,7 @@ def hf_alone(model_dir, item: WorkItem) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    return load_block_model(tiny_model_dir)
+    return load_engine_model(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -420,7 +420,7 @@ def test_finish_reasons(model, tiny_model_dir, make_model):
 
     # EOS comes from the model's config: the same random weights with full[stop_at] as its EOS id.
     eos_dir = make_model(eos_token_id=full[stop_at])
-    eos_engine = make_engine(load_block_model(eos_dir), 32, BLOCK_SIZE)
+    eos_engine = make_engine(load_engine_model(eos_dir), 32, BLOCK_SIZE)
     by_eos = eos_engine.add_request(WorkItem(prompt, 8))
     eos_engine.run()
     assert (by_eos.finish_reason, by_eos.output_ids) == ("eos", full[:stop_at + 1])

@@ -16,8 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from l2_paged import blocks_needed
-from l3_block_kernel import load_block_model
-from l5_eviction import MODES, POLICIES, RequestTooLargeError, State, WorkItem, make_engine
+from l5_eviction import MODES, POLICIES, RequestTooLargeError, State, WorkItem, load_engine_model, make_engine
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, quarter_pool
 
 pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
@@ -71,12 +70,12 @@ def check_all_released(engine) -> None:
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    return load_block_model(tiny_model_dir)
+    return load_engine_model(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def small_model(make_model):
-    return load_block_model(make_model(**SMALL))
+    return load_engine_model(make_model(**SMALL))
 
 
 # ---------------------------------------------------------------- abort
@@ -144,19 +143,23 @@ def arm_fault(monkeypatch, layer, on_call: int) -> None:
     monkeypatch.setattr(layer.mlp, "forward", forward)
 
 
+def fail_to_sample(reqs, logits):
+    raise InjectedFault(f"injected failure while sampling {len(reqs)} rows")
+
+
 @pytest.mark.points(3)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("forward", ["prefill", "decode"])
-def test_failure_inside_a_layer_rolls_the_step_back(forward, mode, model, tiny_model_dir, monkeypatch):
-    """The step raises in the prefill forward, or in the decode forward after the prefill forward
-    already advanced its requests; either way the step is undone and the run goes on."""
+@pytest.mark.parametrize("where", ["first layer", "last layer", "sampling"])
+def test_failure_inside_a_step_rolls_it_back(where, mode, model, tiny_model_dir, monkeypatch):
+    """The step raises inside the forward (before or after most layers wrote their K/V), or after it,
+    when cur_len has already advanced; either way the step is undone and the run goes on."""
     def fresh():
         engine = make_engine(model, quarter_pool(WORKLOAD), BLOCK_SIZE, preempt=mode)
         for item in WORKLOAD:
             engine.add_request(item)
         return engine
 
-    # A step, after the first preemption, that runs both a prefill forward and a decode forward.
+    # A step, after the first preemption, whose forward mixes prefill chunks and decodes.
     clean = fresh()
     clean.run()
     first_preemption = next(r.step for r in clean.timeline if r.preempted)
@@ -166,7 +169,10 @@ def test_failure_inside_a_layer_rolls_the_step_back(forward, mode, model, tiny_m
     for _ in range(step):
         engine.step()
     before = {i: (r.state, r.cur_len, list(r.output_ids)) for i, r in engine.requests.items()}
-    arm_fault(monkeypatch, model.model.layers[-1], on_call=1 if forward == "prefill" else 2)
+    if where == "sampling":
+        monkeypatch.setattr(engine, "_sample", fail_to_sample)
+    else:
+        arm_fault(monkeypatch, model.model.layers[0 if where == "first layer" else -1], on_call=1)
     with pytest.raises(InjectedFault):
         engine.step()
     monkeypatch.undo()

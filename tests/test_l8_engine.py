@@ -12,8 +12,7 @@ import pytest
 from harness import hf_reference as hf
 from helpers import random_prompt
 from l2_paged import blocks_needed
-from l3_block_kernel import load_block_model
-from l5_eviction import State, WorkItem
+from l5_eviction import State, WorkItem, load_engine_model
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
 
 pytestmark = [pytest.mark.l8, pytest.mark.usefixtures("one_torch_thread")]
@@ -30,7 +29,7 @@ def tail(k: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    return load_block_model(tiny_model_dir)
+    return load_engine_model(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

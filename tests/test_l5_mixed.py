@@ -1,0 +1,122 @@
+"""L5: one forward per step. Decodes and prefill chunks share a flat batch; only attention splits it.
+
+The mixed step must compute what L3's two separate forwards compute (same K/V in the pool, same
+logits), every engine step must be exactly one forward, and a model whose attention cannot take
+a mixed batch is refused with a message that says how to load the right one.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from helpers import random_prompt
+from l1_contiguous import InputError
+from l2_paged import BlockAllocator, Request, reserve
+from l3_block_kernel import BlockKvPool, BlockTableRunner, load_block_model
+from l5_eviction import (MixedBatchMeta, StepRunner, WorkItem, build_step_meta, engine_backend, load_engine_model,
+                         make_engine)
+from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, outputs, quarter_pool
+
+pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_engine_model(tiny_model_dir)
+
+
+def half_done(model, num_blocks=64):
+    """A pool and three requests: two with a prompt cached and their next token pending (decodes),
+    one with nothing cached (a 9-token prefill), one halfway through its prompt (a 3-token chunk)."""
+    pool = BlockKvPool(model.config, num_blocks, BLOCK_SIZE, model.dtype, model.device)
+    alloc = BlockAllocator(num_blocks, BLOCK_SIZE)
+    runner = BlockTableRunner(model, pool, alloc, backend="reference")
+    decodes = [Request(random_prompt(n, 512, 10 + n), 4, request_id=i) for i, n in enumerate((5, 11))]
+    runner.forward(decodes, [5, 11])  # prefill: cur_len 5 and 11
+    for req in decodes:
+        req.output_ids.append(7)  # the pending token at position cur_len
+    fresh = Request(random_prompt(9, 512, 3), 4, request_id=2)
+    halfway = Request(random_prompt(8, 512, 4), 4, request_id=3)
+    runner.forward([halfway], [5])
+    return pool, alloc, decodes + [fresh, halfway], [1, 1, 9, 3]
+
+
+@pytest.mark.points(2)
+def test_step_meta_is_l3s_two_metas_side_by_side(model):
+    pool, alloc, reqs, num_new = half_done(model)
+    for req, n in zip(reqs, num_new):
+        reserve(req, alloc, req.cur_len + n)
+    ids, meta = build_step_meta(reqs, num_new, "cpu", "gather")
+    assert isinstance(meta, MixedBatchMeta) and meta.num_decode_tokens == 2
+    assert meta.positions.tolist() == [5, 11, *range(9), 5, 6, 7]
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 11, 14]
+    assert ids.tolist() == [7, 7, *reqs[2].prompt_ids, *reqs[3].prompt_ids[5:8]]
+    assert meta.decode.context_lens.tolist() == [6, 12] and not meta.decode.is_prefill
+    assert meta.prefill.is_prefill and meta.prefill.attn_mask.shape == (12, 9 + 8)
+    # One kind only: L3's metadata, unchanged.
+    assert not isinstance(build_step_meta(reqs[:2], [1, 1], "cpu", "gather")[1], MixedBatchMeta)
+    assert not isinstance(build_step_meta(reqs[2:], [9, 3], "cpu", "gather")[1], MixedBatchMeta)
+    with pytest.raises(ValueError, match="lists the requests with one new token first"):
+        build_step_meta(reqs[::-1], num_new[::-1], "cpu", "gather")
+
+
+@pytest.mark.points(3)
+@pytest.mark.parametrize("backend", ["gather", "reference"])
+def test_mixed_forward_equals_two_separate_forwards(model, backend):
+    """Same logits and the same K/V in the pool as L3's prefill forward plus decode forward (up to
+    rounding: a matmul over more rows may block its sums differently)."""
+    pool, alloc, reqs, num_new = half_done(model)
+    pool_b, alloc_b, reqs_b = copy.deepcopy((pool, alloc, reqs))
+    mixed = StepRunner(model, pool, alloc, backend=backend).forward_logits(reqs, num_new)
+    two = BlockTableRunner(model, pool_b, alloc_b, backend=backend)
+    separate = torch.cat([two.forward_logits(reqs_b[:2], [1, 1]), two.forward_logits(reqs_b[2:], [9, 3])])
+    torch.testing.assert_close(mixed, separate, rtol=1e-5, atol=1e-5)
+    for layer in range(model.config.num_hidden_layers):
+        for req in reqs:
+            slots = req.slot_indices[:req.cur_len]
+            torch.testing.assert_close(pool.K[layer][slots], pool_b.K[layer][slots], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(pool.V[layer][slots], pool_b.V[layer][slots], rtol=1e-4, atol=1e-5)
+    assert [r.cur_len for r in reqs] == [r.cur_len for r in reqs_b] == [6, 12, 9, 8]
+
+
+@pytest.mark.points(2)
+def test_every_step_is_one_forward(model, tiny_model_dir, monkeypatch):
+    engine = make_engine(model, quarter_pool(WORKLOAD), BLOCK_SIZE, prefill_chunk=8)
+    calls, real = [], engine.runner.forward_logits
+
+    def counting(reqs, num_new):
+        calls.append((engine.now, list(num_new)))
+        return real(reqs, num_new)
+
+    monkeypatch.setattr(engine.runner, "forward_logits", counting)
+    engine.run(WORKLOAD)
+    steps = [step for step, _ in calls]
+    assert len(steps) == len(set(steps)) == sum(1 for r in engine.timeline if r.prefill_tokens or r.decode_tokens)
+    assert all(n == sorted(n, key=lambda k: k > 1) for _, n in calls)  # decodes first
+    assert any(r.prefill_tokens and r.decode_tokens for r in engine.timeline)  # some steps were mixed
+    assert outputs(engine) == [hf_alone(tiny_model_dir, item) for item in WORKLOAD]
+
+
+@pytest.mark.points(1)
+def test_engine_backends_agree(model):
+    assert engine_backend("cpu") == "gather" and engine_backend("cuda") == "kernel"
+    runs = {}
+    for backend in ("gather", "reference"):
+        engine = make_engine(model, quarter_pool(WORKLOAD), BLOCK_SIZE, backend=backend)
+        assert engine.runner.backend == backend
+        engine.run(WORKLOAD)
+        runs[backend] = outputs(engine)
+    assert runs["gather"] == runs["reference"]
+
+
+@pytest.mark.points(1)
+def test_a_model_without_mixed_attention_is_refused(tiny_model_dir):
+    l3_model = load_block_model(tiny_model_dir)
+    with pytest.raises(InputError, match="BlockTableAttention cannot; load the model with "
+                                         "l5_eviction.load_engine_model") as info:
+        make_engine(l3_model, 8, BLOCK_SIZE)
+    assert "\n" not in str(info.value)
+    make_engine(load_engine_model(tiny_model_dir), 8, BLOCK_SIZE).run([WorkItem([1, 2, 3], 2)])
