@@ -4,9 +4,9 @@
 The workload is --requests requests (default 32) with mixed prompt and output lengths drawn from
 a fixed seed, all arriving at step 0; every request makes exactly its own number of new tokens
 (EOS does not stop it). Throughput = generated tokens asked for / wall seconds of the whole run,
-prefill included. Each system runs once untimed, then --repeat rounds in which every system runs
-once (interleaved, so that load coming and going on a shared machine hits all of them alike);
-the best round is reported, the median beside it.
+prefill included. Each system first runs the first 4 requests untimed (a warm-up), then --repeat
+rounds in which every system runs the whole workload once (interleaved, so that load coming and
+going on a shared machine hits all of them alike); the best round is reported, the median beside it.
 
   L5 engine           this lesson's engine, pool = 100% of what the requests need together
   HF batched          transformers `generate` on one left-padded batch; it runs every row to the
@@ -20,13 +20,15 @@ and the same requests arriving in 4 waves, a quarter of the longest output apart
 steps): the L5 engine admits each wave as it comes, a static batcher runs one padded batch per
 wave, each after the one before ("HF batched, 4 waves").
 
-Two models: the one given by --model (default: the embedded model), and a random model with
-Qwen3-0.6B's shapes (hidden 1024, 16 / 8 heads of 128, vocabulary 151936) but 4 of its 28 layers
-and 16 shorter requests, so that it runs in minutes on a CPU (--skip-0.6b leaves it out).
+Two models, the same workload shape: the one given by --model (default: the embedded model), with
+every system above, and a random model with Qwen3-0.6B's shapes (28 layers, hidden 1024, 16 / 8
+heads of 128, vocabulary 151936), with the first three systems only (--full-0.6b: all of them)
+and --repeat-0.6b rounds, because on a CPU one round of it takes about three minutes.
+--skip-0.6b leaves it out.
 
     python scripts/bench_l5.py                          # both models; cuda bf16 if present, else cpu fp32
     python scripts/bench_l5.py --skip-0.6b --requests 64 --json bench_l5.json
-    python scripts/bench_l5.py --device cuda --layers-0.6b 28   # the full 0.6B shape on a GPU
+    python scripts/bench_l5.py --device cuda --full-0.6b --repeat-0.6b 3
 """
 
 from __future__ import annotations
@@ -75,10 +77,10 @@ class Shape:
     output_lens: tuple[int, int]
 
 
-EMBEDDED_SHAPE = Shape(32, (8, 128), (8, 64))
-SMALL_06B_SHAPE = Shape(16, (8, 64), (4, 24))
-LAYERS_06B = 4  # of Qwen3-0.6B's 28: every matmul keeps its real size, there are just fewer of them
+WORKLOAD_SHAPE = Shape(32, (8, 128), (8, 64))
 WAVES = 4
+WARM_UP_REQUESTS = 4
+HEADLINE = ("L5 engine", "HF batched", "HF continuous")  # the 0.6B-shaped model's systems by default
 
 
 @dataclass(frozen=True)
@@ -94,12 +96,16 @@ class System:
 def parse_args(argv=None) -> argparse.Namespace:
     d = Settings()
     p = bench_parser(__doc__.split("\n\n")[0], repeat=d.repeat)  # --model --device --dtype --repeat --json
-    p.add_argument("--requests", type=int, default=EMBEDDED_SHAPE.requests,
-                   help=f"requests in the workload of --model (default {EMBEDDED_SHAPE.requests})")
+    p.add_argument("--requests", type=int, default=WORKLOAD_SHAPE.requests,
+                   help=f"requests in the workload (default {WORKLOAD_SHAPE.requests})")
     p.add_argument("--skip-0.6b", dest="skip_06b", action="store_true",
                    help="leave out the Qwen3-0.6B-shaped random model")
-    p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=LAYERS_06B,
-                   help=f"layers of the 0.6B-shaped model (default {LAYERS_06B}; the real one has 28)")
+    p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=QWEN3_0_6B["num_hidden_layers"],
+                   help="layers of the 0.6B-shaped model (default: its real 28)")
+    p.add_argument("--repeat-0.6b", dest="repeat_06b", type=int, default=1,
+                   help="timed rounds for the 0.6B-shaped model (default 1)")
+    p.add_argument("--full-0.6b", dest="full_06b", action="store_true",
+                   help="time every system on the 0.6B-shaped model, not only " + ", ".join(HEADLINE))
     p.add_argument("--block-size", type=int, default=d.block_size, help=f"L5 block size (default {d.block_size})")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
                    help=f"L5 prompt tokens per step (default {d.prefill_chunk})")
@@ -198,8 +204,8 @@ def hf_continuous_runner(hf_model, items, s: Settings):
 # ---------------------------------------------------------------- one model
 
 
-def systems_for(ours, theirs, items, s: Settings) -> tuple[dict[str, System], str | None]:
-    """The systems to time and, when HF continuous cannot run here, why."""
+def systems_for(ours, theirs, items, s: Settings, full: bool = True) -> tuple[dict[str, System], str | None]:
+    """The systems to time (full=False: the HEADLINE ones) and, when HF continuous cannot run here, why."""
     demand = demand_blocks(items, s.block_size)
     base, base_waves = "HF batched", f"HF batched, {WAVES} waves"
     systems = {"L5 engine": System(l5_runner(ours, items, demand, s), base, 100),
@@ -207,6 +213,8 @@ def systems_for(ours, theirs, items, s: Settings) -> tuple[dict[str, System], st
     run_cb, why_not = hf_continuous_runner(theirs, items, s)
     if run_cb is not None:
         systems["HF continuous"] = System(run_cb, base)
+    if not full:
+        return systems, why_not
     largest = max(demand_blocks([w], s.block_size) for w in items)
     for pct in (50, 25):
         num_blocks = max(demand * pct // 100, largest + 1)
@@ -219,18 +227,19 @@ def systems_for(ours, theirs, items, s: Settings) -> tuple[dict[str, System], st
     return systems, why_not
 
 
-def time_rounds(systems: dict, repeat: int, device: str) -> tuple[dict, dict, dict]:
-    """One untimed round, then `repeat` rounds running every system once. -> seconds, ids, engines."""
+def time_rounds(systems: dict, warm_up: dict, repeat: int, device: str) -> tuple[dict, dict, dict]:
+    """Each of `warm_up` once, then `repeat` rounds running every system once. -> seconds, ids, engines."""
     seconds, ids, engines = {name: [] for name in systems}, {}, {}
     with torch.inference_mode():
-        for round_ in range(repeat + 1):
+        for system in warm_up.values():
+            system.run({})
+        for round_ in range(1, repeat + 1):
             for name, system in systems.items():
                 last: dict = {}
                 t = timed(lambda: ids.__setitem__(name, system.run(last)), repeat=1, warmup=0, device=device)
                 engines[name] = last.get("engine")
-                if round_:
-                    seconds[name].append(t.best)
-            print(f"  round {round_}/{repeat} done" + (" (warm-up)" if not round_ else ""), flush=True)
+                seconds[name].append(t.best)
+            print(f"  round {round_}/{repeat} done", flush=True)
     return seconds, ids, engines
 
 
@@ -258,7 +267,7 @@ COLUMNS = ["system", "pool %", "mode", "tokens", "best s", "median s", "tok/s", 
            "preemptions", "recomputed", "swapped MiB", "same ids"]
 
 
-def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings) -> dict:
+def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings, full: bool = True) -> dict:
     cfg = load_config(model_dir)
     ours = load_engine_model(model_dir, s.dtype, s.device)
     theirs = hf.load_hf_model(str(model_dir), s.device, s.dtype)
@@ -267,8 +276,9 @@ def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings)
           f"{len(items)} requests, prompts {sum(len(w.prompt_ids) for w in items)} tokens, "
           f"{tokens} new tokens, demand {demand} blocks of {s.block_size}")
     print("lengths (prompt+new): " + " ".join(f"{len(w.prompt_ids)}+{w.max_new_tokens}" for w in items))
-    systems, why_not = systems_for(ours, theirs, items, s)
-    seconds, ids, engines = time_rounds(systems, s.repeat, s.device)
+    systems, why_not = systems_for(ours, theirs, items, s, full)
+    warm_up, _ = systems_for(ours, theirs, items[:WARM_UP_REQUESTS], s, full)
+    seconds, ids, engines = time_rounds(systems, warm_up, s.repeat, s.device)
     rows = table_rows(systems, seconds, ids, engines, tokens, len(items))
     if why_not:
         rows.append({"system": "HF continuous", "mode": why_not})
@@ -281,25 +291,23 @@ def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings)
             "lengths": [[len(w.prompt_ids), w.max_new_tokens] for w in items], "rows": rows}
 
 
-def bench_06b(args, s: Settings) -> dict:
-    """The 0.6B shape, saved from a random init to a temporary folder (fp32, about 0.9 GB at 4 layers)."""
+def bench_06b(args, shape: Shape, s: Settings) -> dict:
+    """The 0.6B shape, saved from a random init to a temporary folder (fp32, about 3 GB at 28 layers)."""
     with tempfile.TemporaryDirectory() as tmp:
-        shape = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
-        path = make_random_model(Path(tmp) / "qwen3-0.6b-shaped", num_hidden_layers=args.layers_06b, **shape)
-        label = f"Qwen3-0.6B-shaped random model, {args.layers_06b} of 28 layers, {SMALL_06B_SHAPE.requests} requests"
-        if s.device == "cpu":
-            label += " (shorter ones: the full model and workload are too slow on this CPU)"
-        items = make_workload(SMALL_06B_SHAPE, QWEN3_0_6B["vocab_size"], args.seed)
-        return bench_model(label, path, items, s)
+        config = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
+        path = make_random_model(Path(tmp) / "qwen3-0.6b-shaped", num_hidden_layers=args.layers_06b, **config)
+        label = f"Qwen3-0.6B-shaped random model, {args.layers_06b} of 28 layers"
+        items = make_workload(shape, QWEN3_0_6B["vocab_size"], args.seed)
+        return bench_model(label, path, items, replace(s, repeat=args.repeat_06b), full=args.full_06b)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        if min(args.requests, args.repeat, args.layers_06b, args.threads or 1, args.block_size,
-               args.prefill_chunk) < 1:
-            raise InputError("--requests, --repeat, --layers-0.6b, --threads, --block-size and "
-                             "--prefill-chunk must be at least 1")
+        if args.requests < WARM_UP_REQUESTS or min(args.repeat, args.repeat_06b, args.layers_06b, args.threads or 1,
+                                                   args.block_size, args.prefill_chunk) < 1:
+            raise InputError("--repeat, --repeat-0.6b, --layers-0.6b, --threads, --block-size and "
+                             f"--prefill-chunk must be at least 1, --requests at least {WARM_UP_REQUESTS}")
         model_dir = resolve_model_dir(args.model)
         cfg = load_config(model_dir)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -320,10 +328,10 @@ def main(argv=None) -> int:
               "prefill_chunk": s.prefill_chunk, "repeat": s.repeat,
               "load average": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     print(" · ".join(f"{key} {value}" for key, value in header.items()))
-    shape = Shape(args.requests, EMBEDDED_SHAPE.prompt_lens, EMBEDDED_SHAPE.output_lens)
+    shape = Shape(args.requests, WORKLOAD_SHAPE.prompt_lens, WORKLOAD_SHAPE.output_lens)
     results = [bench_model(str(model_dir), model_dir, make_workload(shape, cfg.vocab_size, args.seed), s)]
     if not args.skip_06b:
-        results.append(bench_06b(args, s))
+        results.append(bench_06b(args, shape, s))
     if args.json:
         Path(args.json).write_text(json.dumps({**header, "models": results}, indent=2) + "\n")
         print(f"wrote {args.json}")
