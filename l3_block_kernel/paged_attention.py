@@ -137,14 +137,16 @@ def paged_attention_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     length = block_tables.shape[1] * block_size
-    positions = torch.arange(length, device=q.device)
-    valid = positions[None, :] < context_lens[:, None].long()                       # [S, L]
-    block_used = valid[:, ::block_size]                                             # [S, max_blocks]
-    block_ids = torch.where(block_used, block_tables.long(), 0)
+    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None].long()  # [S, L]
+    block_ids = torch.where(valid[:, ::block_size], block_tables.long(), 0).flatten()      # [S * max_blocks]
+    past_end = (~valid).flatten().nonzero().squeeze(1)  # rows of the copy to zero
 
     def gather(cache):  # -> [S, H_kv, L, D]
-        history = cache[block_ids].view(num_seqs, length, num_kv_heads, head_dim)  # a fresh copy
-        return history.masked_fill_(~valid[:, :, None, None], 0.0).transpose(1, 2)
+        # index_select and index_fill_ copy or clear whole rows: on a CPU several times faster than
+        # cache[block_ids] and a masked_fill_ with a broadcast mask.
+        rows = cache.index_select(0, block_ids).view(num_seqs * length, num_kv_heads * head_dim)
+        rows.index_fill_(0, past_end, 0.0)
+        return rows.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(q[:, :, None, :], gather(k_cache), gather(v_cache),
                                          attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
