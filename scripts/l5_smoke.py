@@ -59,8 +59,13 @@ def check_options(args) -> None:
 def pool_blocks(args, items: list[WorkItem]) -> int:
     need = [blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items]
     num_blocks = args.num_blocks if args.num_blocks is not None else max(sum(need) // 4, max(need) + 1)
+    return checked_pool(num_blocks, need, args.block_size)
+
+
+def checked_pool(num_blocks: int, need: list[int], block_size: int) -> int:
+    """num_blocks, or an InputError when the largest request alone (need: blocks each) cannot fit."""
     if num_blocks < max(need):
-        raise InputError(f"a pool of {num_blocks} blocks of {args.block_size} cannot hold the largest "
+        raise InputError(f"a pool of {num_blocks} blocks of {block_size} tokens cannot hold the largest "
                          f"request ({max(need)} blocks); raise --num-blocks")
     return num_blocks
 

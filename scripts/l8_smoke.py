@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # l5_smoke, whose pool check L8 keeps
 
+import l5_smoke  # noqa: E402
 from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
 from l1_contiguous import InputError  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
@@ -77,10 +79,7 @@ def demand(items: list[SampledWorkItem], block_size: int) -> list[int]:
 def pool_blocks(args, items: list[SampledWorkItem]) -> int:
     need = demand(items, args.block_size)
     num_blocks = sum(need) if args.num_blocks is None else args.num_blocks
-    if num_blocks < max(need):
-        raise InputError(f"a pool of {num_blocks} blocks of {args.block_size} tokens cannot hold the largest "
-                         f"request ({max(need)} blocks); raise --num-blocks")
-    return num_blocks
+    return l5_smoke.checked_pool(num_blocks, need, args.block_size)
 
 
 def run(args, setup) -> LessonRun:
