@@ -88,14 +88,20 @@ def make_parser(lesson: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dtype]:
+    """--device and --dtype, defaulted: cuda with bfloat16 when torch sees a GPU, else cpu with
+    float32. InputError when cuda is asked for and there is none."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    return device, DTYPES[dtype or ("float32" if device == "cpu" else "bfloat16")]
+
+
 def resolve(args: argparse.Namespace) -> Setup:
     """Check the common options and load config, tokenizer and prompts; InputError on bad input."""
     model_dir = resolve_model_dir(args.model)
     cfg = load_config(model_dir)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
-    dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
+    device, dtype = resolve_device(args.device, args.dtype)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     tokenizer = load_tokenizer(model_dir)

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
 from harness.benchmark import bench_parser, compare_phases, hf_generate, print_table, tokens_per_s  # noqa: E402
-from harness.smoke import DTYPES, resolve_model_dir  # noqa: E402
+from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate, load_config  # noqa: E402
 
 
@@ -79,9 +79,7 @@ def main(argv=None) -> int:
     try:
         model_dir = resolve_model_dir(args.model)
         cfg = load_config(model_dir)
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise InputError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+        device, dtype = resolve_device(args.device, args.dtype)
         if args.max_new_tokens < 2:
             raise InputError("--max-new-tokens must be at least 2 (prefill + at least one decode step)")
         if args.prompt_len < 1 or args.num_prompts < 1 or args.repeat < 1:
@@ -89,7 +87,6 @@ def main(argv=None) -> int:
         if args.prompt_len + args.max_new_tokens > cfg.max_position_embeddings:
             raise InputError(f"--prompt-len + --max-new-tokens exceeds the model's "
                              f"{cfg.max_position_embeddings} positions")
-        dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
         ours = Qwen3ForCausalLM.from_pretrained(model_dir, dtype, device)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)

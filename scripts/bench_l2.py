@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
 from harness.benchmark import bench_parser, hf_generate, print_table, timed, tokens_per_s  # noqa: E402
-from harness.smoke import DTYPES, resolve_model_dir  # noqa: E402
+from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from l1_contiguous import InputError, Qwen3ForCausalLM, greedy_generate, load_config  # noqa: E402
 from l2_paged import (BlockAllocator, KvPool, PagedRunner, Request, blocks_needed, bytes_per_block,  # noqa: E402
                       load_paged_model)
@@ -123,15 +123,12 @@ def time_phases(methods: dict, work, repeat: int, device) -> dict:
 def setup(args):
     model_dir = resolve_model_dir(args.model)
     cfg = load_config(model_dir)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    device, dtype = resolve_device(args.device, args.dtype)
     if args.requests < 1 or args.repeat < 1 or args.block_size < 1:
         raise InputError("--requests, --repeat and --block-size must be at least 1")
     if PROMPT_LENS[1] + OUTPUT_LENS[1] > cfg.max_position_embeddings:
         raise InputError(f"the workload needs {PROMPT_LENS[1] + OUTPUT_LENS[1]} positions; the model has "
                          f"{cfg.max_position_embeddings}")
-    dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
     return model_dir, cfg, device, dtype
 
 

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from harness.benchmark import print_table, timed  # noqa: E402
-from harness.smoke import DTYPES  # noqa: E402
+from harness.smoke import DTYPES, resolve_device  # noqa: E402
 from l1_contiguous import InputError  # noqa: E402
 from l3_block_kernel.paged_attention import paged_attention  # noqa: E402
 
@@ -56,9 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-gbps", type=float, default=None, help="the device's peak memory bandwidth, GB/s")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the rows to PATH")
     args = p.parse_args(argv)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device, args.dtype = resolve_device(args.device, args.dtype)
     on_cuda = args.device == "cuda"
-    args.dtype = DTYPES[args.dtype or ("bfloat16" if on_cuda else "float32")]
     args.batches = _int_list(args.batches or ("1,8,32,128" if on_cuda else "1,8"), "--batches")
     args.contexts = _int_list(args.contexts or ("512,2048,8192" if on_cuda else "512,2048"), "--contexts")
     args.repeat = args.repeat or (20 if on_cuda else 3)

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
 from harness.benchmark import bench_parser, hf_generate, print_table, timed, tokens_per_s  # noqa: E402
-from harness.smoke import DTYPES, resolve_model_dir  # noqa: E402
+from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
@@ -310,9 +310,7 @@ def main(argv=None) -> int:
                              f"--prefill-chunk must be at least 1, --requests at least {WARM_UP_REQUESTS}")
         model_dir = resolve_model_dir(args.model)
         cfg = load_config(model_dir)
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise InputError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+        device, dtype = resolve_device(args.device, args.dtype)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -320,7 +318,6 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
     s = Settings(args.block_size, args.prefill_chunk, args.repeat, device, dtype)
     header = {"device": device, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
               "transformers": transformers.__version__, "threads": torch.get_num_threads(),

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness.benchmark import bench_parser, print_table, timed  # noqa: E402
-from harness.smoke import DTYPES, resolve_model_dir  # noqa: E402
+from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
 from l5_eviction import WorkItem, engine_backend, load_engine_model  # noqa: E402
@@ -63,9 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check(args, cfg, device: str) -> None:
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+def check(args, cfg) -> None:
     for name in ("requests", "tail_len", "max_new_tokens", "block_size", "repeat"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -114,11 +112,10 @@ def main(argv=None) -> int:
     try:
         model_dir = resolve_model_dir(args.model)
         cfg = load_config(model_dir)
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        check(args, cfg, device)
+        device, dtype = resolve_device(args.device, args.dtype)
+        check(args, cfg)
         if args.threads or device == "cpu":
             torch.set_num_threads(args.threads or 1)
-        dtype = DTYPES[args.dtype or ("float32" if device == "cpu" else "bfloat16")]
         model = load_engine_model(model_dir, dtype, device)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
