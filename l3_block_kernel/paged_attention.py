@@ -139,7 +139,8 @@ def paged_attention_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     length = block_tables.shape[1] * block_size
     valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None].long()  # [S, L]
     block_ids = torch.where(valid[:, ::block_size], block_tables.long(), 0).flatten()      # [S * max_blocks]
-    past_end = (~valid).flatten().nonzero().squeeze(1)  # rows of the copy to zero
+    # Rows of the copy to zero. On CUDA, nonzero waits for the GPU: this backend is for CPUs.
+    past_end = (~valid).flatten().nonzero().squeeze(1)
 
     def gather(cache):  # -> [S, H_kv, L, D]
         # index_select and index_fill_ copy or clear whole rows: on a CPU several times faster than

@@ -103,8 +103,7 @@ class StepRunner(BlockTableRunner):
 
 def check_engine_model(model) -> None:
     """Every attention layer must take a MixedBatchMeta; say how to load such a model if not."""
-    layers = getattr(getattr(model, "model", None), "layers", [])
-    kinds = {type(layer.self_attn).__name__ for layer in layers
+    kinds = {type(layer.self_attn).__name__ for layer in model.model.layers
              if not isinstance(layer.self_attn, MixedBatchAttention)}
     if kinds:
         raise InputError(f"the engine runs decodes and prefill chunks in one forward, which "

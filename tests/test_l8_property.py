@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,9 +38,11 @@ FAKE_CFG = Qwen3Config(vocab_size=FAKE_VOCAB, hidden_size=8, intermediate_size=8
 
 
 class FakeModel:
-    """What the engine reads of a model: its config, device and dtype. Forwards are FakeForward's."""
+    """What the engine reads of a model: its config, device, dtype and attention layers (none here,
+    so nothing for the engine's model check to refuse). Forwards are FakeForward's."""
 
     config, device, dtype = FAKE_CFG, torch.device("cpu"), torch.float32
+    model = SimpleNamespace(layers=())
 
 
 def _crc(tokens) -> int:
