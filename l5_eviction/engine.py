@@ -46,6 +46,7 @@ class StepRecord:
 
 class Engine:
     request_cls = EngineRequest
+    allocator_cls = BlockAllocator  # what make_engine builds for it (L8: a prefix-caching one)
 
     def __init__(self, model, pool: BlockKvPool, alloc: BlockAllocator, policy: str = "lru",
                  preempt: str = "recompute", prefill_chunk: int | None = None,
@@ -183,8 +184,9 @@ def generated_ids(requests: dict[int, EngineRequest]) -> dict[int, list[int]]:
     return {i: r.output_ids for i, r in requests.items()}
 
 
-def make_engine(model, num_blocks: int, block_size: int = 16, **kwargs) -> Engine:
-    cfg = model.config
-    pool = BlockKvPool(cfg, num_blocks, block_size, model.dtype, model.device)
-    return Engine(model, pool, BlockAllocator(num_blocks, block_size), **kwargs)
+def make_engine(model, num_blocks: int, block_size: int = 16, engine_cls: type[Engine] = Engine,
+                **kwargs) -> Engine:
+    """Pool, allocator (`engine_cls.allocator_cls`) and engine in one call."""
+    pool = BlockKvPool(model.config, num_blocks, block_size, model.dtype, model.device)
+    return engine_cls(model, pool, engine_cls.allocator_cls(num_blocks, block_size), **kwargs)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from l2_paged import release
-from l5_eviction import Engine, EngineRequest, Scheduler, State, WorkItem
+from l5_eviction import Engine, EngineRequest, Scheduler, State, WorkItem, make_engine
 
 from .block_hash import block_key, chain_keys
 from .cow import copy_on_write, shared_write_block
@@ -90,6 +90,7 @@ class PrefixScheduler(Scheduler):
 
 class PrefixEngine(Engine):
     request_cls = PrefixRequest
+    allocator_cls = PrefixBlockAllocator
 
     def __init__(self, model, pool, alloc: PrefixBlockAllocator, prefix_sharing: bool = True, **kwargs):
         self.sharing, self.prefix = prefix_sharing, PrefixCounters()
@@ -212,8 +213,5 @@ def draw(req: PrefixRequest, logits_row: torch.Tensor) -> int:
 
 
 def make_prefix_engine(model, num_blocks: int, block_size: int = 16, **kwargs) -> PrefixEngine:
-    from l3_block_kernel import BlockKvPool
-
-    pool = BlockKvPool(model.config, num_blocks, block_size, model.dtype, model.device)
-    return PrefixEngine(model, pool, PrefixBlockAllocator(num_blocks, block_size), **kwargs)
+    return make_engine(model, num_blocks, block_size, engine_cls=PrefixEngine, **kwargs)
 
