@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ROOT / "lessons"
 ELISION = "..."
-# "Output of `CMD`:" — also "Abridged output of `CMD` (CPU, float32):"; the line ends with a colon.
+# "Output of `CMD`:" — also "Abridged output of `CMD` (CPU, float32):", at the end of the paragraph
+# right above the block (it may wrap over several lines), ending with a colon.
 COMMAND_LINE = re.compile(r"[Oo]utput of `(?P<cmd>python [^`]+)`[^`]*:\s*$")
 
 
@@ -43,7 +44,7 @@ class Quote:
     lines: list[str]
 
     def where(self, index: int) -> str:
-        return f"{self.path.relative_to(ROOT).as_posix()}:{self.first_line + index}"
+        return f"{_shown(self.path)}:{self.first_line + index}"
 
 
 @dataclass
@@ -63,6 +64,11 @@ class Output:
     lines: list[str] = field(default_factory=list)
 
 
+def _shown(path: Path) -> str:
+    """`lessons/L2-paged.md` for a lesson of this repository, the full path for any other file."""
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
 def find_quotes(path: Path) -> tuple[list[Quote], list[str]]:
     """Every quote in one lesson, and the problems of form (a text block that names no command)."""
     text = path.read_text().split("\n")
@@ -75,18 +81,26 @@ def find_quotes(path: Path) -> tuple[list[Quote], list[str]]:
         end = i + 1
         while end < len(text) and text[end].strip() != "```":
             end += 1
-        prev = i - 1
-        while prev >= 0 and not text[prev].strip():
-            prev -= 1
-        match = COMMAND_LINE.search(text[prev]) if prev >= 0 else None
-        rel = path.relative_to(ROOT).as_posix()
+        match = COMMAND_LINE.search(" ".join(_paragraph_before(text, i)))
         if match is None:
-            problems.append(f"{rel}:{i + 1}: a ```text block must follow a line naming its command "
+            problems.append(f"{_shown(path)}:{i + 1}: a ```text block must follow a line naming its command "
                             "(\"Output of `python ...`:\"); use a plain ``` block for a drawing")
         else:
             quotes.append(Quote(path, match["cmd"], i + 2, text[i + 1:end]))
         i = end + 1
     return quotes, problems
+
+
+def _paragraph_before(text: list[str], row: int) -> list[str]:
+    """The lines of the paragraph that ends right above `row` (blank lines between allowed)."""
+    row -= 1
+    while row >= 0 and not text[row].strip():
+        row -= 1
+    lines = []
+    while row >= 0 and text[row].strip():
+        lines.insert(0, text[row].strip())
+        row -= 1
+    return lines
 
 
 def all_quotes(lessons: list[Path] | None = None) -> tuple[list[Quote], list[str]]:

@@ -1,0 +1,88 @@
+"""Output quoted in the lessons is what the commands print today (harness/lesson_quotes.py).
+
+Every ```text block in lessons/*.md names its command; each distinct command runs once, in this
+process, and every quoted line must be in its output. When a counter changes on purpose, run
+`python scripts/check_lesson_quotes.py --update` and read the diff.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from harness import lesson_quotes as lq
+
+pytestmark = pytest.mark.course
+
+QUOTES, PROBLEMS = lq.all_quotes()
+
+
+@pytest.fixture(scope="module")
+def outputs():
+    """One run per distinct command, shared by every quote of it (and by the self-checks below)."""
+    cache: dict[str, lq.Output] = {}
+
+    def output(command: str) -> lq.Output:
+        if command not in cache:
+            cache[command] = lq.run_command(command)
+        return cache[command]
+
+    return output
+
+
+def test_every_text_block_names_its_command():
+    assert QUOTES, "no quoted output found in lessons/*.md"
+    assert not PROBLEMS, "\n".join(PROBLEMS)
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=[q.where(0) for q in QUOTES])
+def test_quoted_output_is_what_the_command_prints(quote, outputs):
+    mismatches = lq.check_quote(quote, outputs(quote.command))
+    assert not mismatches, "\n".join(map(str, mismatches)) + \
+        "\n(after an intended change: python scripts/check_lesson_quotes.py --update)"
+
+
+def test_an_edited_figure_is_reported_with_its_line(tmp_path, outputs):
+    quote, index = next((q, i) for q in QUOTES for i, line in enumerate(q.lines)
+                        if re.fullmatch(r"\w+: \d+", line))  # a counter such as `wasted_slots_peak: 38`
+    lines = quote.path.read_text().split("\n")
+    row = quote.first_line + index - 1
+    name, value = lines[row].split(": ")
+    lines[row] = f"{name}: {int(value) + 1}"
+    copy = tmp_path / quote.path.name
+    copy.write_text("\n".join(lines))
+    _, problems, mismatches = lq.check([copy], runner=outputs)
+    assert not problems
+    assert [m.quote.where(m.index) for m in mismatches] == [f"{copy}:{row + 1}"]
+    assert f"{name}: {int(value) + 1}" in str(mismatches[0]) and f"{name}: {value}" in str(mismatches[0])
+    assert lq.update(mismatches)[0] == 1 and copy.read_text() == quote.path.read_text()  # --update restores it
+
+
+OUT = lq.Output(0, ["header", "a: 1", "b: 2", "noise", "c: 3", "PASS"])
+
+
+def _quote(*lines: str) -> lq.Quote:
+    return lq.Quote(lq.LESSONS / "L0.md", "python x.py", 10, list(lines))
+
+
+@pytest.mark.parametrize("lines, bad", [
+    (["a: 1", "b: 2", "...", "PASS"], []),
+    (["a: 1", "...", "c: 3"], []),
+    (["hea...", "...", "c: ..."], []),                  # `...` inside a line stands for any text
+    (["a: 1", "c: 3"], [1]),                             # consecutive quoted lines must be consecutive
+    (["c: 3", "...", "a: 1"], [2]),                      # and in order
+    (["a: 1", "b: 3"], [1]),
+    (["a: 1", "", "b: 2"], []),                          # blank lines in a quote are ignored
+])
+def test_matching_rules(lines, bad):
+    assert [m.index for m in lq.check_quote(_quote(*lines), OUT)] == bad
+
+
+def test_a_text_block_without_its_command_is_a_problem(tmp_path):
+    lesson = tmp_path / "L0.md"
+    lesson.write_text("Some drawing:\n\n```text\nA -> B\n```\n\nOutput of `python x.py --n 2`\n"
+                      "(abridged):\n\n```text\nok\n```\n")
+    quotes, problems = lq.find_quotes(lesson)
+    assert [(q.command, q.first_line, q.lines) for q in quotes] == [("python x.py --n 2", 11, ["ok"])]
+    assert len(problems) == 1 and problems[0].startswith(f"{lesson}:3:")
