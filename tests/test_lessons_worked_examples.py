@@ -1,0 +1,134 @@
+"""The lessons' worked examples and sizing tables, recomputed by the code they describe.
+
+Each check computes a row (or a sentence's figure) with the course's code and requires the lesson
+to print exactly that; a change to the code that moves a figure fails here, naming the lesson.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from harness.lesson_quotes import LESSONS
+from l1_contiguous.config import Qwen3Config
+
+pytestmark = pytest.mark.course
+
+SHAPES = {  # the real checkpoints' attention shapes (config.json of each)
+    "Qwen3-0.6B": dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       hidden_size=1024),
+    "Qwen3-8B": dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     hidden_size=4096),
+}
+
+
+def config(name: str) -> Qwen3Config:
+    return Qwen3Config.from_dict({"model_type": "qwen3", "vocab_size": 151936, "intermediate_size": 3072,
+                                  **SHAPES[name]})
+
+
+def assert_in_lesson(lesson: str, *expected: str) -> None:
+    text = " ".join((LESSONS / lesson).read_text().split())  # wrapping and indentation do not matter
+    for piece in expected:
+        assert " ".join(piece.split()) in text, f"lessons/{lesson} should contain: {piece}"
+
+
+def n(x: int) -> str:
+    return f"{x:,}"
+
+
+def test_l1_bytes_per_token_table():
+    for name in SHAPES:
+        cfg = config(name)
+        per_token = cfg.kv_bytes_per_token(2)
+        L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        assert_in_lesson("L1-contiguous.md", f"| {name} | {L} | {H} | {D} | 2·{L}·{H}·{D}·2 = {n(per_token)} "
+                                             f"| {per_token * 4096 // 2**20} MiB |")
+
+
+def test_l2_pool_sizing_table():
+    from l2_paged.pool import bytes_per_block, num_blocks_for_budget
+
+    for name, budget_gb in (("Qwen3-0.6B", 74.8), ("Qwen3-8B", 59.6)):
+        cfg = config(name)
+        blocks = num_blocks_for_budget(cfg, int(budget_gb * 1e9), 16, torch.bfloat16)
+        assert_in_lesson("L2-paged.md", f"| {budget_gb} GB | {n(blocks)} | {n(blocks * 16)} | {blocks * 16 // 4096} |",
+                         f"| {n(cfg.kv_bytes_per_token(2))} | {n(bytes_per_block(cfg, 16, torch.bfloat16))} (")
+    blocks = num_blocks_for_budget(config("Qwen3-8B"), int(53.6e9), 16, torch.bfloat16)  # §10.1
+    assert_in_lesson("L2-paged.md", f"{n(blocks)} blocks of 16 ({n(blocks * 16)} token slots)")
+
+
+def test_l3_decode_step_metadata():
+    """L3 §4: A, B, C hold 20, 5 and 13 tokens in blocks [0, 3, 4], [1], [2, 5] of 8 and decode one each."""
+    from l2_paged import Request
+    from l3_block_kernel.meta import build_block_meta
+
+    def holding(blocks, length):
+        slots = [b * 8 + row for b in blocks for row in range(8)]
+        return Request(prompt_ids=list(range(length + 1)), blocks=blocks, slot_indices=slots, cur_len=length)
+
+    reqs = [holding([0, 3, 4], 20), holding([1], 5), holding([2, 5], 13)]
+    _, meta = build_block_meta(reqs, [1, 1, 1], "cpu")
+    cells = lambda values: " | ".join(map(str, values))  # noqa: E731
+    assert_in_lesson("L3-block-kernel.md",
+                     f"| position of the new token | {cells(meta.positions.tolist())} |",
+                     f"| `slot_mapping` (block · 8 + row) | {cells(meta.slot_mapping.tolist())} |",
+                     f"| `block_tables` row | {cells(f'`{row}`' for row in meta.block_tables.tolist())} |",
+                     f"| `context_lens` | {cells(meta.context_lens.tolist())} |")
+    assert meta.kv_indices is None and meta.attn_mask is None
+    assert_in_lesson("L3-block-kernel.md", f"a {sum(meta.context_lens.tolist())}-entry `kv_indices`")
+
+
+def _l5_trace(model, mode: str):
+    """L5 §4: 6 blocks of 4, LRU, watermark 1; A (6 + 8), B (5 + 8) at step 0, C (3 + 6) at step 2."""
+    from l5_eviction import WorkItem, make_engine
+
+    engine = make_engine(model, num_blocks=6, block_size=4, preempt=mode)
+    for prompt, new, arrival in ((6, 8, 0), (5, 8, 0), (3, 6, 2)):
+        engine.add_request(WorkItem(list(range(10, 10 + prompt)), new, arrival_step=arrival))
+    rows = []
+    while engine.has_unfinished():
+        record = engine.step()
+        rows.append((record, {i: (r.cur_len, len(r.output_ids), r.state.value) for i, r in engine.requests.items()}))
+    return engine, rows
+
+
+def _l5_table() -> dict[int, list[str]]:
+    """Last step of each row of the lesson's table -> its cells A, B, C, used / free."""
+    table = {}
+    for line in (LESSONS / "L5-eviction.md").read_text().split("\n"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and re.fullmatch(r"\d+(?:[,–] ?\d+)?", cells[0]):
+            table[int(re.split(r"[,–] ?", cells[0])[-1])] = cells[2:]
+    return table
+
+
+def test_l5_worked_example(tiny_model_dir):
+    from l5_eviction import load_engine_model
+
+    model = load_engine_model(tiny_model_dir)
+    engine, rows = _l5_trace(model, "recompute")
+    table = _l5_table()
+    assert set(table) <= {r.step for r, _ in rows} and len(table) >= 8, "the L5 §4 table was not found"
+    for record, reqs in rows:
+        if record.step not in table:
+            continue
+        want = table[record.step]
+        assert want[3] == f"{record.blocks_used} / {record.blocks_free}", f"L5 §4, step {record.step}: used / free"
+        for i, cell in enumerate(want[:3]):
+            if cell != "—":
+                cur_len, outputs, _ = reqs[i]
+                assert re.match(rf"{cur_len} / {outputs}\b", cell), f"L5 §4, step {record.step}, request {'ABC'[i]}"
+    counters = engine.preemptor.counters
+    computed = sum(r.prefill_tokens + r.decode_tokens for r, _ in rows)
+    assert_in_lesson("L5-eviction.md", f"`tokens_recomputed = 4 + 11 = {counters.tokens_recomputed}`",
+                     f"= {computed} tokens = final `cur_len`s")
+    assert len(rows) == 12 and counters.preempted_recompute == 2  # "Twelve steps, two preemptions"
+    swap, swap_rows = _l5_trace(model, "swap")
+    assert len(swap_rows) == 12 and swap.preemptor.counters.tokens_recomputed == 0  # "Twelve steps again"
+    per_token_fp32 = 4096  # the lesson states the embedded model's figure; the bytes are counted in blocks
+    blocks = swap.preemptor.counters.bytes_swapped_out // (4 * model.config.kv_bytes_per_token(4))
+    assert_in_lesson("L5-eviction.md", f"{blocks} blocks copied each way: {blocks} × 4 positions × {n(per_token_fp32)} "
+                                       f"bytes = {n(blocks * 4 * per_token_fp32)} bytes")
