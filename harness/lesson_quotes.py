@@ -123,6 +123,7 @@ def run_command(command: str) -> Output:
     buffer = io.StringIO()
     threads, available, old_argv = torch.get_num_threads(), torch.cuda.is_available, sys.argv
     sys.argv, torch.cuda.is_available = argv[1:], lambda: False  # quotes are CPU float32 runs
+    torch.set_num_threads(1)  # tiny model: a second thread gains little and waits on a busy machine
     status = 0
     try:
         with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
