@@ -132,3 +132,56 @@ def test_l5_worked_example(tiny_model_dir):
     blocks = swap.preemptor.counters.bytes_swapped_out // (4 * model.config.kv_bytes_per_token(4))
     assert_in_lesson("L5-eviction.md", f"{blocks} blocks copied each way: {blocks} × 4 positions × {n(per_token_fp32)} "
                                        f"bytes = {n(blocks * 4 * per_token_fp32)} bytes")
+
+
+def test_l8_worked_example():
+    """L8 §4: the smoke script's default workload, step by step (hits and computed tokens per arrival)."""
+    import runpy
+
+    from harness.smoke import make_parser, resolve
+
+    script = runpy.run_path(str(LESSONS.parent / "scripts" / "l8_smoke.py"), run_name="l8_smoke_worked_example")
+    engines = []
+    real, module = script["make_prefix_engine"], script["run"].__globals__  # run_path returns a copy
+    module["make_prefix_engine"] = lambda *a, **k: engines.append(real(*a, **k)) or engines[-1]
+    parser = make_parser("L8", "")
+    script["add_options"](parser)
+    args = parser.parse_args(["--device", "cpu"])
+    script["run"](args, resolve(args))
+    timeline = engines[0].metrics_timeline
+    start = {"prefix_hit_tokens": 0, "prefill_tokens_computed": 0}
+    hits, computed = ([b[key] - a[key] for a, b in zip([start] + timeline, timeline)]  # per step
+                      for key in ("prefix_hit_tokens", "prefill_tokens_computed"))
+    rows = {}
+    for line in (LESSONS / "L8-prefix.md").read_text().split("\n"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0].isdigit() and cells[1].startswith("prompt"):
+            rows[int(cells[0])] = cells
+    assert len(rows) == 5, "the L8 §4 table was not found"
+    for step, cells in rows.items():
+        assert (cells[3], cells[4]) == (str(hits[step]), str(computed[step])), f"L8 §4, step {step}: hit, computed"
+    total = engines[0].metrics()
+    work = " + ".join(str(computed[s]) for s in sorted(rows))
+    assert_in_lesson("L8-prefix.md", f"Prefill tokens computed: {work} = **{total['prefill_tokens_computed']}**",
+                     f"{total['prefix_hit_tokens']} hit tokens, {total['fork_shared_tokens']} received by the forks",
+                     f"{total['prefix_hit_tokens']} / {total['prefill_tokens_total']} = "
+                     f"{total['prefix_hit_tokens'] / total['prefill_tokens_total']:.3f}")
+
+
+def test_l3_online_softmax_table():
+    """L3 §2.4: scores [1, 3, 2, 4, 0], values [1, 2, 3, 4, 5], blocks of 2, one block at a time."""
+    import math
+
+    m, l, acc, rows = -math.inf, 0.0, 0.0, []
+    for scores, values in (([1, 3], [1, 2]), ([2, 4], [3, 4]), ([0], [5])):
+        m_new = max(m, *scores)
+        rescale = math.exp(m - m_new)
+        p = [math.exp(s - m_new) for s in scores]
+        l, acc = l * rescale + sum(p), acc * rescale + sum(pi * v for pi, v in zip(p, values))
+        m = m_new
+        rows.append((l, acc))
+    direct = sum(math.exp(s) * v for s, v in zip([1, 3, 2, 4, 0], [1, 2, 3, 4, 5])) / sum(
+        math.exp(s) for s in [1, 3, 2, 4, 0])
+    assert abs(acc / l - direct) < 1e-12
+    assert_in_lesson("L3-block-kernel.md", *(f"= {x:.4f} |" for row in rows for x in row),
+                     f"`out = {acc:.4f} / {l:.4f} = {acc / l:.4f}`", f"gives the same {direct:.4f}")
