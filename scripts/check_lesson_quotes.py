@@ -20,23 +20,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness import lesson_quotes as lq  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, runner=lq.run_command) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--update", action="store_true", help="rewrite mismatched quoted lines from fresh output")
     p.add_argument("lessons", nargs="*", type=Path, help="lesson files (default: lessons/L*.md)")
     args = p.parse_args(argv)
     lessons = [path.resolve() for path in args.lessons] or None
-    outputs: dict = {}
-    quotes, problems, mismatches = lq.check(lessons, outputs=outputs)
-    for _ in range(3 if args.update else 0):  # a rewritten line can realign the lines after it
-        if not mismatches:
-            break
+    outputs: dict = {}  # each command runs once, however many passes --update makes
+    quotes, problems, mismatches = lq.check(lessons, runner, outputs)
+    while args.update and mismatches:  # one line per block and pass: a fixed line realigns the rest
         rewritten, _ = lq.update(mismatches)
-        print(f"rewrote {rewritten} line(s)")
         if not rewritten:
             break
-        outputs: dict = {}
-    quotes, problems, mismatches = lq.check(lessons, outputs=outputs)
+        print(f"rewrote {rewritten} line(s)")
+        quotes, problems, mismatches = lq.check(lessons, runner, outputs)
     for line in problems + [str(m) for m in mismatches]:
         print(line)
     commands = len({q.command for q in quotes})

@@ -59,6 +59,19 @@ def test_an_edited_figure_is_reported_with_its_line(tmp_path, outputs):
     assert lq.update(mismatches)[0] == 1 and copy.read_text() == quote.path.read_text()  # --update restores it
 
 
+def test_the_update_command_rewrites_every_changed_line(tmp_path, outputs, capsys):
+    import runpy
+
+    quote = next(q for q in QUOTES if sum(bool(re.fullmatch(r"\w+: \d+", line)) for line in q.lines) >= 2)
+    original = quote.path.read_text()
+    copy = tmp_path / quote.path.name
+    copy.write_text(re.sub(r"(?m)^(\w+): (\d+)$", lambda m: f"{m[1]}: {int(m[2]) + 1}", original))
+    main = runpy.run_path(str(lq.ROOT / "scripts" / "check_lesson_quotes.py"))["main"]
+    assert main([str(copy)], runner=outputs) == 1
+    assert main(["--update", str(copy)], runner=outputs) == 0
+    assert copy.read_text() == original, capsys.readouterr().out
+
+
 OUT = lq.Output(0, ["header", "a: 1", "b: 2", "noise", "c: 3", "PASS"])
 
 
