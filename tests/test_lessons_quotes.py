@@ -99,3 +99,23 @@ def test_a_text_block_without_its_command_is_a_problem(tmp_path):
     quotes, problems = lq.find_quotes(lesson)
     assert [(q.command, q.first_line, q.lines) for q in quotes] == [("python x.py --n 2", 11, ["ok"])]
     assert len(problems) == 1 and problems[0].startswith(f"{lesson}:3:")
+
+
+def _code_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, code without its comment) of every line inside a ```python block."""
+    found, inside = [], False
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.strip().startswith("```"):
+            inside = line.strip() == "```python"
+        elif inside and line.split("#")[0].strip():
+            found.append((number, " ".join(line.split("#")[0].split())))
+    return found
+
+
+def test_code_quoted_in_the_lessons_is_in_the_code():
+    """A ```python block quotes the course's code: each of its lines (comments aside) is in a .py file."""
+    sources = {" ".join(line.split("#")[0].split()) for path in lq.ROOT.glob("[hl]*/**/*.py")
+               for line in path.read_text().split("\n")}
+    missing = [f"lessons/{lesson.name}:{number}: {code}" for lesson in sorted(lq.LESSONS.glob("L*.md"))
+               for number, code in _code_lines(lesson.read_text()) if code not in sources]
+    assert not missing, "\n".join(missing)
