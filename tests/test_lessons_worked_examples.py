@@ -185,3 +185,18 @@ def test_l3_online_softmax_table():
     assert abs(acc / l - direct) < 1e-12
     assert_in_lesson("L3-block-kernel.md", *(f"= {x:.4f} |" for row in rows for x in row),
                      f"`out = {acc:.4f} / {l:.4f} = {acc / l:.4f}`", f"gives the same {direct:.4f}")
+
+
+def test_l2_worked_example_counters(tiny_model_dir):
+    """L2 §4: block size 4, 8 blocks; A, B, C with prompts of 3, 6, 9 and 2, 5, 3 new tokens."""
+    from l2_paged import BlockAllocator, KvPool, PagedRunner, Request, load_paged_model
+
+    model = load_paged_model(tiny_model_dir)
+    runner = PagedRunner(model, KvPool(model.config, 8, 4, torch.float32), BlockAllocator(8, 4))
+    runner.generate([Request(list(range(1, 1 + p)), max_new_tokens=m, request_id=i)
+                     for i, (p, m) in enumerate([(3, 2), (6, 5), (9, 3)])])
+    stats = runner.stats
+    assert_in_lesson("L2-paged.md", f"Counters after each step: blocks used `{stats.blocks_used}`, peak "
+                                    f"{runner.alloc.peak_used}; wasted slots `{stats.wasted_slots}`.",
+                     f"A gets `{stats.owners[0][0]}`, B `{stats.owners[0][1]}`, C `{stats.owners[0][2]}`",
+                     f"releases `{stats.owners[3][1]}`. All 8 blocks are free.")
