@@ -14,7 +14,7 @@ import torch
 from harness.lesson_quotes import LESSONS
 from l1_contiguous.config import Qwen3Config
 
-pytestmark = pytest.mark.course
+pytestmark = [pytest.mark.course, pytest.mark.usefixtures("one_torch_thread")]
 
 SHAPES = {  # the real checkpoints' attention shapes (config.json of each)
     "Qwen3-0.6B": dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
