@@ -200,3 +200,20 @@ def test_l2_worked_example_counters(tiny_model_dir):
                                     f"{runner.alloc.peak_used}; wasted slots `{stats.wasted_slots}`.",
                      f"A gets `{stats.owners[0][0]}`, B `{stats.owners[0][1]}`, C `{stats.owners[0][2]}`",
                      f"releases `{stats.owners[3][1]}`. All 8 blocks are free.")
+
+
+def test_what_engines_do_now_arithmetic():
+    """The §10 sections' bytes per token, from the configs (fp8, tensor parallel, latent caches)."""
+    cfg = config("Qwen3-8B")
+    L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    bf16 = cfg.kv_bytes_per_token(2)
+    per_gpu = [2 * L * max(1, H // tp) * D * 2 for tp in (1, 2, 4, 8, 16)]  # a KV head is never split
+    assert_in_lesson("L2-paged.md", "| bytes per token per GPU | " + " | ".join(map(n, per_gpu)) + " |")
+    latent = L * (512 + 64) * 2
+    assert_in_lesson("L1-contiguous.md", f"| {n(bf16)} | section 4 |", f"| {n(cfg.kv_bytes_per_token(1))} | L3 §10.3 |",
+                     f"| {n(per_gpu[2])} per GPU | L2 §10.2 |", f"| {n(latent)} | here |",
+                     f"61 × 576 × 2 = {n(61 * 576 * 2)}")
+    chunk, cached = 512, 16384
+    assert_in_lesson("L3-block-kernel.md", f"(L + C) × {n(bf16)} B = {n(chunk + cached)} × {n(bf16)} B = "
+                                           f"{(chunk + cached) * bf16 / 1e9:.2f} GB",
+                     f"Qwen3-8B's {n(bf16)} bytes per token become {n(cfg.kv_bytes_per_token(1))}")
