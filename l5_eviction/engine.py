@@ -44,12 +44,19 @@ class StepRecord:
     preempted: list[int] = field(default_factory=list)  # request ids preempted during this step
 
 
+# Prompt tokens one step may compute (all prefills together; decodes are not charged). Without a
+# cap, 32 requests of 288 tokens arriving together are one 9,216-token forward: every decode waits
+# for it, and its attention mask is 9,216 x 9,216. 256 bounds a step's prefill rows (and its mask)
+# whatever arrives, and is a multiple of every block size the course uses.
+DEFAULT_PREFILL_CHUNK = 256
+
+
 class Engine:
     request_cls = EngineRequest
     allocator_cls = BlockAllocator  # what make_engine builds for it (L8: a prefix-caching one)
 
     def __init__(self, model, pool: BlockKvPool, alloc: BlockAllocator, policy: str = "lru",
-                 preempt: str = "recompute", prefill_chunk: int | None = None,
+                 preempt: str = "recompute", prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                  watermark_blocks: int = 1, backend: str | None = None):
         self.model, self.pool, self.alloc = model, pool, alloc
         self.runner = StepRunner(model, pool, alloc, backend=backend)

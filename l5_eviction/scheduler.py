@@ -8,7 +8,8 @@ One step's plan, in order:
   2. swapped requests come back (oldest preemption first) while blocks stay above the watermark.
   3. waiting requests (preempted ones at the front) are admitted while blocks stay above the
      watermark, so a newcomer is not preempted on its very next step.
-Prefill tokens per step are capped by `prefill_chunk`, so a long prompt cannot stall decodes.
+Prefill tokens per step are capped by `prefill_chunk` (the engine's default: DEFAULT_PREFILL_CHUNK),
+so a long prompt, or a burst of arrivals, cannot stall decodes in one giant forward.
 """
 
 from __future__ import annotations
@@ -107,18 +108,27 @@ class Scheduler:
             self.running.append(req)  # computes again from the next step
 
     def _admit_waiting(self, budget: list) -> list[tuple[EngineRequest, int]]:
-        plan = []
+        plan, held = [], []
         while self.waiting:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
+            if self._tokens_this_step(req, budget) and self._hold(req):
+                held.append(req)  # stays in its place in the queue; those behind it may go
+                continue
             n = self._try_admit(req, budget)
             if not n:
+                self.waiting.appendleft(req)
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
             req.state = State.RUNNING
             self.running.append(req)
             plan.append((req, n))
             self._spend(budget, req, n)
+        self.waiting.extendleft(reversed(held))
         return plan
+
+    def _hold(self, req: EngineRequest) -> bool:
+        """Keep a waiting request out of this step although it would fit? Never in L5 (L8: while
+        another request is computing the prefix it could share)."""
+        return False
 
     def _try_admit(self, req: EngineRequest, budget: list) -> int:
         """Reserve blocks for the first tokens of a waiting request; 0 (holding nothing) if they don't fit."""

@@ -5,6 +5,9 @@ Admission: the request's leading full blocks are looked up by their chained keys
   the last token is never taken from the cache, so at least one token is computed and the
   request gets logits.
 After each forward: blocks that became full are keyed, so later requests can find them.
+In-batch sharing: a waiting request whose next uncached block another running request is about
+  to compute (same key) is held, up to max_prefix_hold steps, and admitted once that block is
+  keyed: requests that arrive together compute their common prefix once.
 Finish or preemption: references are dropped; keyed blocks stay cached until space is needed.
 n > 1: the prompt is prefilled once; when its prefill completes, n - 1 forks share all its
   blocks (the partial last one too) and copy-on-write that block on their first write.
@@ -39,6 +42,8 @@ class PrefixRequest(EngineRequest):
     forks: list[int] = field(default_factory=list)  # sample indices to fork after the prefill
     group: int = 0  # request id of the first sample of its prompt
     sample_index: int = 0
+    prompt_keys: list[bytes] = field(default_factory=list)  # keys of the full blocks it computes or hit
+    held_steps: int = 0  # steps it was held waiting for a prefix another request computes
 
 
 @dataclass
@@ -47,12 +52,20 @@ class PrefixCounters:
     prefix_hit_tokens: int = 0  # ... of which were found in the cache
     fork_shared_tokens: int = 0  # prompt tokens forks got from their parent without computing
     cow_copies: int = 0
+    held_for_prefix: int = 0  # request-steps spent held while another request computed their prefix
 
 
 class PrefixScheduler(Scheduler):
-    def __init__(self, *args, pool, sharing: bool, counters: PrefixCounters):
+    def __init__(self, *args, pool, sharing: bool, counters: PrefixCounters, max_prefix_hold: int = 8):
         super().__init__(*args)
         self.pool, self.sharing, self.counters = pool, sharing, counters
+        self.max_prefix_hold = max_prefix_hold
+        self.held_now: list[int] = []  # request ids held during the last schedule()
+        self._in_flight: set[bytes] | None = None  # keys being computed, built once per schedule()
+
+    def schedule(self, now: int):
+        self.held_now, self._in_flight = [], None
+        return super().schedule(now)
 
     def _try_admit(self, req: PrefixRequest, budget: list) -> int:
         hits = self._attach_cached_prefix(req) if self.sharing and not req.blocks else 0
@@ -63,7 +76,33 @@ class PrefixScheduler(Scheduler):
         elif n:
             self.counters.prefill_tokens_total += len(req.tokens)
             self.counters.prefix_hit_tokens += req.cur_len
+            if self.sharing:
+                req.prompt_keys = chain_keys(req.tokens[:-1], self.alloc.block_size)
+                if self._in_flight is not None:
+                    self._in_flight.update(pending_keys(req))
         return n
+
+    def _hold(self, req: PrefixRequest) -> bool:
+        """Hold `req` this step when the next block it could share is being computed by another."""
+        if not self.sharing or req.held_steps >= self.max_prefix_hold:
+            return False  # the bound: after max_prefix_hold steps it computes what it must itself
+        if self._in_flight is None:
+            self._in_flight = {key for r in self.running for key in pending_keys(r)}
+        if not self._in_flight or not self._prefix_in_flight(req, self._in_flight):
+            return False
+        req.held_steps += 1
+        self.held_now.append(req.request_id)
+        self.counters.held_for_prefix += 1
+        return True
+
+    def _prefix_in_flight(self, req: PrefixRequest, in_flight: set[bytes]) -> bool:
+        """Is the first of `req`'s full blocks missing from the cache one that a running request is
+        computing (its key in `in_flight`)? Then waiting a step turns that block into a hit."""
+        # BEGIN SOLUTION
+        keys = chain_keys(req.tokens[:-1], self.alloc.block_size)  # the blocks it could ever hit
+        cached = len(self.alloc.lookup(keys))
+        return cached < len(keys) and keys[cached] in in_flight
+        # END SOLUTION
 
     def _attach_cached_prefix(self, req: PrefixRequest) -> int:
         """Share the longest cached run of the request's full blocks; returns tokens reused."""
@@ -88,19 +127,28 @@ class PrefixScheduler(Scheduler):
         super()._reserve(req, n)
 
 
+def pending_keys(req: PrefixRequest) -> list[bytes]:
+    """Keys of the prompt blocks `req` will compute but has not keyed yet (none once prefilled)."""
+    return req.prompt_keys[len(req.block_keys):]
+
+
 class PrefixEngine(Engine):
     request_cls = PrefixRequest
     allocator_cls = PrefixBlockAllocator
 
-    def __init__(self, model, pool, alloc: PrefixBlockAllocator, prefix_sharing: bool = True, **kwargs):
-        self.sharing, self.prefix = prefix_sharing, PrefixCounters()
+    def __init__(self, model, pool, alloc: PrefixBlockAllocator, prefix_sharing: bool = True,
+                 max_prefix_hold: int = 8, **kwargs):
+        if max_prefix_hold < 0:
+            raise ValueError(f"max_prefix_hold must be at least 0 (0: never hold), got {max_prefix_hold}")
+        self.sharing, self.prefix, self.max_prefix_hold = prefix_sharing, PrefixCounters(), max_prefix_hold
         self._prefill_logits: dict[int, torch.Tensor] = {}
         super().__init__(model, pool, alloc, **kwargs)
         self.metrics_timeline: list[dict] = []
 
     def _make_scheduler(self, policy, prefill_chunk, watermark_blocks) -> Scheduler:
         return PrefixScheduler(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks,
-                               pool=self.pool, sharing=self.sharing, counters=self.prefix)
+                               pool=self.pool, sharing=self.sharing, counters=self.prefix,
+                               max_prefix_hold=self.max_prefix_hold)
 
     # ------------------------------------------------------------------ requests and samples
 
@@ -198,6 +246,7 @@ class PrefixEngine(Engine):
             "prefill_tokens_total": c.prefill_tokens_total,
             "prefill_tokens_computed": c.prefill_tokens_total - c.prefix_hit_tokens,
             "fork_shared_tokens": c.fork_shared_tokens, "cow_copies": c.cow_copies,
+            "held_for_prefix": len(self.scheduler.held_now), "held_for_prefix_total": c.held_for_prefix,
         }
 
     def summary(self) -> dict:

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
 from l1_contiguous import InputError  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
-from l5_eviction import MODES, POLICIES, WorkItem, engine_backend, load_engine_model, make_engine  # noqa: E402
+from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, POLICIES, WorkItem, engine_backend, load_engine_model, make_engine  # noqa: E402
 
 LESSON = "L5"
 WORKLOAD_PROMPTS = [
@@ -33,8 +33,9 @@ def add_options(parser):
                         help="pool size (default: a quarter of what all requests need together)")
     parser.add_argument("--policy", choices=POLICIES, default="lru")
     parser.add_argument("--preempt", choices=MODES, default="recompute")
-    parser.add_argument("--prefill-chunk", type=int, default=None,
-                        help="at most this many prompt tokens per step (default: no chunking)")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help="at most this many prompt tokens per step, all prefills together "
+                             f"(default {DEFAULT_PREFILL_CHUNK}, the engine's)")
     parser.add_argument("--backend", choices=["kernel", "gather", "reference"], default=None,
                         help="decode attention (default: kernel on CUDA, gather on CPU; reference is L3's oracle)")
 
@@ -82,7 +83,8 @@ def run(args, setup) -> LessonRun:
                for r in requests.values()]
     demand = sum(blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items)
     figures = {"backend": backend, "policy": args.policy, "preempt_mode": args.preempt,
-               "block_size": args.block_size, "blocks_demanded": demand, **engine.summary()}
+               "block_size": args.block_size, "prefill_chunk": args.prefill_chunk, "blocks_demanded": demand,
+               **engine.summary()}
     figures["preemptions"] = figures["preempted_recompute"] + figures["preempted_swap"]
     return LessonRun(results, figures)
 

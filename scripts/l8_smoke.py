@@ -15,7 +15,7 @@ import l5_smoke  # noqa: E402
 from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
 from l1_contiguous import InputError  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
-from l5_eviction import MODES, engine_backend, load_engine_model  # noqa: E402
+from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, engine_backend, load_engine_model  # noqa: E402
 from l8_prefix import SampledWorkItem, make_prefix_engine  # noqa: E402
 
 LESSON = "L8"
@@ -44,6 +44,9 @@ def add_options(parser):
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="pool size (default: enough for every request and sample without sharing)")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help="at most this many prompt tokens per step, all prefills together "
+                             f"(default {DEFAULT_PREFILL_CHUNK}, the engine's)")
     parser.add_argument("--preempt", choices=MODES, default="recompute",
                         help="how a request is preempted when the pool runs out (default: recompute)")
     parser.add_argument("--backend", choices=["kernel", "gather", "reference"], default=None,
@@ -67,8 +70,9 @@ def workload(args, setup) -> list[SampledWorkItem]:
 def check_options(args) -> None:
     if args.n < 1:
         raise InputError(f"--n must be at least 1 (samples per prompt), got {args.n}")
-    if args.block_size < 1:
-        raise InputError(f"--block-size must be at least 1, got {args.block_size}")
+    for name, value in (("--block-size", args.block_size), ("--prefill-chunk", args.prefill_chunk)):
+        if value < 1:
+            raise InputError(f"{name} must be at least 1, got {value}")
 
 
 def demand(items: list[SampledWorkItem], block_size: int) -> list[int]:
@@ -89,7 +93,7 @@ def run(args, setup) -> LessonRun:
     model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
     backend = args.backend or engine_backend(setup.device)
     engine = make_prefix_engine(model, num_blocks, args.block_size, prefix_sharing=args.prefix_sharing == "on",
-                                preempt=args.preempt, backend=backend)
+                                preempt=args.preempt, prefill_chunk=args.prefill_chunk, backend=backend)
     requests = engine.run(items)
     engine.alloc.check()  # every block in exactly one place, no negative count, key maps agree
     ordered = sorted(requests.values(), key=lambda r: (r.group, r.sample_index))
@@ -108,7 +112,7 @@ def figures(args, engine, items, backend) -> dict:
     timeline = engine.metrics_timeline
     summary = engine.summary()
     out = {"backend": backend, "prefix_sharing": args.prefix_sharing, "preempt_mode": args.preempt,
-           "block_size": args.block_size, "requests_and_samples": sum(w.n for w in items),
+           "block_size": args.block_size, "prefill_chunk": args.prefill_chunk, "requests_and_samples": sum(w.n for w in items),
            "blocks_demanded": sum(demand(items, args.block_size)), **summary}
     # Prompt tokens every request and sample needed K/V for; with sharing on, forks get theirs from
     # their parent (fork_shared_tokens) instead of being admitted, so this is the total to compare.
