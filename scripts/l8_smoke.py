@@ -41,6 +41,10 @@ def add_options(parser):
     parser.add_argument("--n", type=int, default=1,
                         help="samples per given prompt (greedy, so all must equal HF); default 1. "
                              "The default workload has its own: 1 for four prompts, 3 for the fifth")
+    parser.add_argument("--arrivals", choices=["staggered", "together"], default="staggered",
+                        help="staggered (default): one request per step, each finds the earlier ones' "
+                             "blocks cached; together: all at step 0, and the engine holds the later "
+                             "ones until the first has computed the shared blocks (held_for_prefix)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="pool size (default: enough for every request and sample without sharing)")
@@ -56,7 +60,8 @@ def add_options(parser):
 def workload(args, setup) -> list[SampledWorkItem]:
     """Given prompts (each --n times), or the default: five prompts behind one system prompt.
 
-    One request arrives per step, so each later one finds the system prompt's blocks cached.
+    One request arrives per step, so each later one finds the system prompt's blocks cached
+    (--arrivals together: all at step 0; the later ones are held a step for the first's blocks).
     The default prompts are tokenized piece by piece and joined, so all start with the same ids.
     """
     if args.prompt or args.prompt_ids or setup.tokenizer is None:
@@ -64,7 +69,9 @@ def workload(args, setup) -> list[SampledWorkItem]:
     else:
         system = encode(setup.tokenizer, SYSTEM_PROMPT)
         prompts = [(system + encode(setup.tokenizer, "\n" + tail), n) for tail, n in TAILS]
-    return [SampledWorkItem(ids, setup.max_new_tokens, arrival_step=i, n=n) for i, (ids, n) in enumerate(prompts)]
+    step = 1 if args.arrivals == "staggered" else 0
+    return [SampledWorkItem(ids, setup.max_new_tokens, arrival_step=i * step, n=n)
+            for i, (ids, n) in enumerate(prompts)]
 
 
 def check_options(args) -> None:
@@ -112,7 +119,7 @@ def figures(args, engine, items, backend) -> dict:
     timeline = engine.metrics_timeline
     summary = engine.summary()
     out = {"backend": backend, "prefix_sharing": args.prefix_sharing, "preempt_mode": args.preempt,
-           "block_size": args.block_size, "prefill_chunk": args.prefill_chunk, "requests_and_samples": sum(w.n for w in items),
+           "block_size": args.block_size, "prefill_chunk": args.prefill_chunk, "arrivals": args.arrivals, "requests_and_samples": sum(w.n for w in items),
            "blocks_demanded": sum(demand(items, args.block_size)), **summary}
     # Prompt tokens every request and sample needed K/V for; with sharing on, forks get theirs from
     # their parent (fork_shared_tokens) instead of being admitted, so this is the total to compare.
@@ -122,6 +129,7 @@ def figures(args, engine, items, backend) -> dict:
     out["peak_sharing_ratio"] = max(m["sharing_ratio"] for m in timeline)
     out["peak_blocks_saved"] = max(m["blocks_saved"] for m in timeline)
     out["peak_shared_blocks"] = max(m["shared_blocks_now"] for m in timeline)
+    out["held_for_prefix_per_step"] = [m["held_for_prefix"] for m in timeline]
     out["all_blocks_free_at_end"] = summary["blocks_free_at_end"] == summary["blocks_total"]
     return out
 

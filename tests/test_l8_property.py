@@ -198,3 +198,62 @@ def test_random_admit_step_abort_keep_invariants_real_engine(model, hf_ref, setu
         r = engine.requests[i]
         if r.finish_reason != "aborted":
             assert r.output_ids == hf_ref(prompt, 8)[:max_new], (i, r.sample_index)
+
+
+# ---------------------------------------------------------------- bursts of arrivals sharing prefixes
+
+# Nested and overlapping prefixes of 0 to 3 blocks of 4: requests that arrive together share them.
+BURST_PREFIXES = [[5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [5, 3, 5, 8, 9, 7, 9, 3], [6, 2, 6, 4, 3, 3, 8, 3, 2, 7]]
+BURST_ADD = st.tuples(st.sampled_from([0, 0, 1, 1, 2]), TAIL, st.sampled_from([1, 1, 1, 2]), st.integers(1, 5),
+                      st.sampled_from([0, 0, 0, 1, 4]))
+BURST_PLAN = st.tuples(st.lists(BURST_ADD, min_size=2, max_size=10), st.lists(ABORT, max_size=2))
+BURST_SETUP = st.fixed_dictionaries({
+    "block_size": st.sampled_from([2, 4]), "spare_blocks": st.integers(0, 12), "sharing": st.just(True),
+    "preempt": st.sampled_from(["recompute", "swap"]), "prefill_chunk": st.sampled_from([None, 3, 8, 64]),
+    "max_prefix_hold": st.sampled_from([0, 1, 8]),
+})
+
+
+def watch_holds(engine) -> None:
+    """Around each schedule(): a request held shares a block with one that is computing it."""
+    from l8_prefix.engine import pending_keys
+
+    scheduler, real = engine.scheduler, engine.scheduler.schedule
+
+    def schedule(now):
+        bs = engine.alloc.block_size
+        keys = {r.request_id: chain_keys(r.tokens[:-1], bs) for r in scheduler.waiting}
+        in_flight = {k for r in scheduler.running for k in pending_keys(r)}
+        plan = real(now)
+        in_flight |= {k for r, _ in plan if r.request_id in keys for k in pending_keys(r)}
+        for i in scheduler.held_now:
+            assert set(keys[i]) & in_flight, f"request {i} held although nobody computes its prefix"
+        assert all(r.held_steps <= engine.max_prefix_hold for r in engine.requests.values())
+        return plan
+
+    scheduler.schedule = schedule
+
+
+@pytest.mark.points(3)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setup=BURST_SETUP, plan=BURST_PLAN)
+def test_bursts_sharing_prefixes_keep_invariants_and_hold_boundedly_fake_forward(setup, plan):
+    longest = max(len(p) for p in BURST_PREFIXES) + 5 + 5
+    engine = make_prefix_engine(FakeModel(), pool_size(setup, longest), setup["block_size"],
+                                prefix_sharing=True, preempt=setup["preempt"], prefill_chunk=setup["prefill_chunk"],
+                                max_prefix_hold=setup["max_prefix_hold"], backend="reference")
+    engine.runner.forward_logits = FakeForward(engine)
+    watch_holds(engine)
+    known: dict[bytes, list[int]] = {}
+
+    def after_each():
+        check_invariants(engine)
+        check_cached_contents(engine, known)
+
+    added = run_plan(engine, plan, lambda p, extra: BURST_PREFIXES[p] + extra + [1], after_each)
+    event(f"held: {engine.prefix.held_for_prefix > 0}")
+    for i, (prompt, max_new) in added.items():
+        r = engine.requests[i]
+        assert r.state is State.FINISHED
+        if r.finish_reason != "aborted":
+            assert r.output_ids == alone(prompt, max_new), (i, r.sample_index)
