@@ -177,3 +177,162 @@ def bench_parser(description: str, repeat: int = 3) -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=repeat, help=f"timed runs per measurement, best kept (default {repeat})")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results to PATH")
     return p
+
+
+# ---------------------------------------------------------------- serving: requests arriving on a wall clock
+# Both systems below are driven the same way: request i is handed over `offsets_s[i]` seconds after
+# the clock starts (all 0: a burst), and the clock stops at the last generated token. Building the
+# engine or the manager before, and stopping it after, are timed apart (setup_s, teardown_s).
+
+
+@dataclass
+class ServeRun:
+    ids: list[list[int]]  # new tokens of each request, in the workload's order
+    serve_s: float  # clock start (first request handed over) -> last token of the last request
+    ttft_s: list[float]  # per request: its hand-over -> its first token
+    setup_s: float  # building the engine / manager (and its KV pool), not in serve_s
+    teardown_s: float  # stopping it, not in serve_s
+    engine: object = None  # the course engine after the run (its counters); None for HF
+
+    @property
+    def ttft_mean_s(self) -> float:
+        return statistics.fmean(self.ttft_s)
+
+
+def _arrival_order(offsets_s: list[float]) -> list[int]:
+    return sorted(range(len(offsets_s)), key=lambda i: (offsets_s[i], i))
+
+
+def serve_engine(make_engine: Callable[[], object], items: list, offsets_s: list[float]) -> ServeRun:
+    """Run a course engine (L5 or L8) as a server: arrivals join at the next step boundary.
+
+    `items` are WorkItems (their arrival_step is replaced by the step at which they are handed over).
+    """
+    from dataclasses import replace
+
+    start = time.perf_counter()
+    engine = make_engine()
+    setup_s = time.perf_counter() - start
+    order, index_of, handed, first, last = _arrival_order(offsets_s), {}, {}, {}, 0.0
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        while order or engine.has_unfinished():
+            now = time.perf_counter() - t0
+            while order and offsets_s[order[0]] <= now:
+                i = order.pop(0)
+                req = engine.add_request(replace(items[i], arrival_step=engine.now))
+                index_of[req.request_id], handed[i] = i, t0 + offsets_s[i]
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, offsets_s[order[0]] - now))
+                continue
+            engine.step()
+            _sync(getattr(engine.model, "device", None))
+            last = time.perf_counter()
+            for rid, i in index_of.items():
+                if i not in first and engine.requests[rid].output_ids:
+                    first[i] = last
+    ids = [None] * len(items)
+    for rid, i in index_of.items():
+        ids[i] = list(engine.requests[rid].output_ids)
+    return ServeRun(ids, last - t0, [first[i] - handed[i] for i in range(len(items))], setup_s, 0.0, engine)
+
+
+def hf_continuous_config(block_size: int, num_blocks: int, max_batch_tokens: int, block_sharing: bool):
+    """transformers' ContinuousBatchingConfig set like a course engine: pages of `block_size` tokens
+    (a block holds one page per layer, as ours holds every layer's K/V for `block_size` positions),
+    `num_blocks` of them, at most `max_batch_tokens` tokens per forward, prefix block sharing on/off."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(page_size=block_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                                    allow_block_sharing=block_sharing)
+
+
+def serve_hf_continuous(model, items: list, offsets_s: list[float], cb_config) -> ServeRun:
+    """transformers' continuous batching manager, driven like `serve_engine`: built and started
+    (set-up), requests handed over on the clock, each with its own max_new_tokens and EOS off,
+    per-token timestamps recorded by HF itself, then stopped (teardown)."""
+    import logging
+
+    from transformers import GenerationConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psutil notices on CPU
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                              max_new_tokens=max(w.max_new_tokens for w in items))
+    start = time.perf_counter()
+    # Its generation thread is not in the caller's inference mode (that is per thread), so the cache
+    # it updates in place must not be an inference tensor: build it outside inference mode.
+    with torch.inference_mode(False):
+        manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
+        manager.warmup()  # builds the batch processor and its KV cache now, not on the first request
+        manager.start()
+    setup_s = time.perf_counter() - start
+    results, handed = {}, {}
+    try:
+        t0 = time.perf_counter()
+        for i in _arrival_order(offsets_s):
+            time.sleep(max(0.0, t0 + offsets_s[i] - time.perf_counter()))
+            handed[i] = time.perf_counter()
+            manager.add_request(items[i].prompt_ids, request_id=f"r{i}", max_new_tokens=items[i].max_new_tokens,
+                                record_timestamps=True, eos_token_id=-1)
+        while len(results) < len(items):
+            out = manager.get_result(timeout=120)
+            if out is None:
+                why = manager.background_thread_status.fatal_error
+                raise RuntimeError(f"HF continuous batching stopped answering ({why or 'nothing for 120 s'})")
+            if out.is_finished():
+                results[int(out.request_id[1:])] = out
+    finally:
+        start = time.perf_counter()
+        manager.stop(block=True)
+        manager.destroy()
+        teardown_s = time.perf_counter() - start
+    end = max(r.timestamps[-1] for r in results.values())
+    return ServeRun([list(results[i].generated_tokens) for i in range(len(items))], end - t0,
+                    [results[i].timestamps[0] - handed[i] for i in range(len(items))], setup_s, teardown_s)
+
+
+# ---------------------------------------------------------------- docs/benchmarks.md sections
+
+
+def machine_line(threads: int) -> str:
+    """Hardware, versions, date and load: the first line of every generated section."""
+    import datetime
+    import os
+    import platform
+
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    if torch.cuda.is_available():
+        cpu += f", {torch.cuda.get_device_name()}"
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · {os.cpu_count()} cores ({cpu}) · "
+            f"torch {torch.__version__} · transformers {transformers.__version__} · {threads} thread(s) · "
+            f"load average {load} (1, 5, 15 min) at the start")
+
+
+def markdown_table(rows: list[dict], columns: list[str], floatfmt: str = ".2f") -> str:
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return format(value, floatfmt)
+        return "n/a" if value is None else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def replace_section(path: str, name: str, text: str) -> None:
+    """Put `text` between `<!-- BEGIN name -->` and `<!-- END name -->` in the file at `path`
+    (appended, with its markers, if they are not there yet)."""
+    from pathlib import Path
+
+    begin, end = f"<!-- BEGIN {name} (generated by make bench; edit the script, not this) -->", f"<!-- END {name} -->"
+    doc = Path(path).read_text() if Path(path).exists() else ""
+    block = f"{begin}\n{text.strip()}\n{end}"
+    if begin in doc and end in doc:
+        head, rest = doc.split(begin, 1)
+        doc = head + block + rest.split(end, 1)[1]
+    else:
+        doc = doc.rstrip() + "\n\n" + block + "\n"
+    Path(path).write_text(doc)

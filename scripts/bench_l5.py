@@ -3,16 +3,22 @@
 
 The workload is --requests requests (default 32) with mixed prompt and output lengths drawn from
 a fixed seed, all arriving at step 0; every request makes exactly its own number of new tokens
-(EOS does not stop it). Throughput = generated tokens asked for / wall seconds of the whole run,
-prefill included. Each system first runs the first 4 requests untimed (a warm-up), then --repeat
-rounds in which every system runs the whole workload once (interleaved, so that load coming and
-going on a shared machine hits all of them alike); the best round is reported, the median beside it.
+(EOS does not stop it). Throughput = generated tokens asked for / wall seconds from handing the
+requests over to the last token, prefill included; building the L5 engine or HF's continuous
+batching manager (KV pool included) and stopping it are timed apart ("set-up s", "teardown s").
+Each system first runs the first 4 requests untimed (a warm-up), then --repeat rounds in which
+every system runs the whole workload once (interleaved, so that load coming and going on a shared
+machine hits all of them alike); the best round is reported, the median beside it.
 
-  L5 engine           this lesson's engine, pool = 100% of what the requests need together
+  L5 engine           this lesson's engine, pool = 100% of what the requests need together,
+                      prefill budget --prefill-chunk tokens per step (default 256, the engine's)
   HF batched          transformers `generate` on one left-padded batch; it runs every row to the
                       longest output, and only the tokens asked for are counted
-  HF continuous       transformers' own paged continuous batching (the manager behind
-                      `model.generate_batch`), given each request's own max_new_tokens
+  HF continuous       transformers' own paged continuous batching (`init_continuous_batching`),
+                      each request with its own max_new_tokens, set like the L5 engine: page size
+                      = block size, num_blocks = the L5 engine's pool (ratio 1.0), no block sharing
+                      (L5 has none), max_batch_tokens the best of a sweep (--hf-batch-tokens: one
+                      untimed run each on the embedded model, printed; the 0.6B shape reuses it)
   L5 pool 50% / 25%   the engine with half / a quarter of the blocks: preemption, by recompute
                       and by swap
 
@@ -21,10 +27,10 @@ steps): the L5 engine admits each wave as it comes, a static batcher runs one pa
 wave, each after the one before ("HF batched, 4 waves").
 
 Two models, the same workload shape: the one given by --model (default: the embedded model), with
-every system above, and a random model with Qwen3-0.6B's shapes (28 layers, hidden 1024, 16 / 8
-heads of 128, vocabulary 151936), with the first three systems only (--full-0.6b: all of them)
-and --repeat-0.6b rounds, because on a CPU one round of it takes about three minutes.
---skip-0.6b leaves it out.
+every system above, and a random model with Qwen3-0.6B's shapes (hidden 1024, 16 / 8 heads of 128,
+vocabulary 151936) and --layers-0.6b of its 28 layers (default 4; made in-process, nothing
+downloaded), with the first three systems only (--full-0.6b: all of them) and --repeat-0.6b
+rounds. --skip-0.6b leaves it out. --markdown PATH rewrites the `bench_l5` section of PATH.
 
     python scripts/bench_l5.py                          # both models; cuda bf16 if present, else cpu fp32
     python scripts/bench_l5.py --skip-0.6b --requests 64 --json bench_l5.json
@@ -35,12 +41,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
+import math
 import platform
 import random
 import statistics
 import sys
 import tempfile
+import time
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,18 +58,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import bench_parser, hf_generate, print_table, timed, tokens_per_s  # noqa: E402
+from harness.benchmark import (ServeRun, bench_parser, hf_continuous_config, hf_generate, machine_line, markdown_table,  # noqa: E402
+                               print_table, replace_section, serve_engine, serve_hf_continuous, timed,
+                               tokens_per_s)
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
-from l5_eviction import WorkItem, load_engine_model, make_engine  # noqa: E402
+from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, load_engine_model, make_engine  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Settings:
     block_size: int = 16  # the course's default, as vLLM's
-    prefill_chunk: int = 256  # prompt tokens per step: bounds the [T, S] mask of the prefill forward
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per step (all prefills together)
     repeat: int = 3
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
@@ -100,8 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"requests in the workload (default {WORKLOAD_SHAPE.requests})")
     p.add_argument("--skip-0.6b", dest="skip_06b", action="store_true",
                    help="leave out the Qwen3-0.6B-shaped random model")
-    p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=QWEN3_0_6B["num_hidden_layers"],
-                   help="layers of the 0.6B-shaped model (default: its real 28)")
+    p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=4,
+                   help=f"layers of the 0.6B-shaped model (default 4 of its {QWEN3_0_6B['num_hidden_layers']})")
     p.add_argument("--repeat-0.6b", dest="repeat_06b", type=int, default=1,
                    help="timed rounds for the 0.6B-shaped model (default 1)")
     p.add_argument("--full-0.6b", dest="full_06b", action="store_true",
@@ -112,6 +121,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for every system (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads' lengths and ids")
+    p.add_argument("--hf-batch-tokens", default="auto",
+                   help="HF continuous max_batch_tokens: one value, comma-separated values to sweep, or auto "
+                        "(default: sweep prefill chunk + requests, 512, 1024)")
+    p.add_argument("--markdown", metavar="PATH", default=None,
+                   help="also write the tables as the `bench_l5` section of the markdown file PATH")
     return p.parse_args(argv)
 
 
@@ -131,13 +145,30 @@ def demand_blocks(items: list[WorkItem], block_size: int) -> int:
 
 
 def l5_runner(model, items, num_blocks: int, s: Settings, mode: str = "recompute"):
-    def run(last: dict):
+    def make():
         engine = make_engine(model, num_blocks, s.block_size, preempt=mode, prefill_chunk=s.prefill_chunk)
         engine.eos_ids = set()  # exactly max_new_tokens per request, as in the HF runs
-        engine.run(items)
-        last["engine"] = engine
-        return [r.output_ids for r in engine.requests.values()]
+        return engine
+
+    def run(last: dict):
+        if any(w.arrival_step for w in items):  # waves: arrivals on the engine's own step clock
+            served = timed_engine_run(make, items)
+        else:
+            served = serve_engine(make, items, [0.0] * len(items))
+        last["engine"], last["served"] = served.engine, served
+        return served.ids
     return run
+
+
+def timed_engine_run(make, items):
+    """engine.run(items) on the clock (arrivals at their engine steps); a ServeRun without TTFT."""
+    start = time.perf_counter()
+    engine = make()
+    setup_s = time.perf_counter() - start
+    engine.run(items)
+    serve_s = time.perf_counter() - start - setup_s
+    return ServeRun([r.output_ids for r in engine.requests.values()], serve_s, [float("nan")] * len(items),
+                    setup_s, 0.0, engine)
 
 
 def hf_batched_runner(hf_model, items):
@@ -161,56 +192,53 @@ def in_waves(items: list[WorkItem], num_waves: int) -> list[list[WorkItem]]:
     return [[replace(w, arrival_step=k * gap) for w in items[k * size:(k + 1) * size]] for k in range(num_waves)]
 
 
-def hf_continuous_runner(hf_model, items, s: Settings):
+def hf_continuous_runner(hf_model, items, s: Settings, max_batch_tokens: int):
     """transformers' continuous batching on this workload, or (None, why it cannot run here)."""
     try:
-        from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: F401
     except ImportError as exc:
         return None, f"not in this transformers ({exc})"
-    if not hasattr(hf_model, "continuous_batching_context_manager"):
-        return None, "this transformers has no generate_batch / continuous batching manager"
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)  # psutil notices on CPU
-    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
-                              max_new_tokens=max(w.max_new_tokens for w in items))
-    # generate_batch gives every request the same max_new_tokens; the manager it wraps takes each
-    # request's own, so that HF continuous does exactly the work the L5 engine does.
-    cb_config = ContinuousBatchingConfig(page_size=s.block_size,
-                                         num_blocks=demand_blocks(items, s.block_size) + len(items),
-                                         max_batch_tokens=s.prefill_chunk, allow_block_sharing=False)
+    if not hasattr(hf_model, "init_continuous_batching"):
+        return None, "this transformers has no continuous batching manager"
+    config = hf_continuous_config(s.block_size, demand_blocks(items, s.block_size), max_batch_tokens,
+                                  block_sharing=False)
 
-    def generate(items):
-        with hf_model.continuous_batching_context_manager(
-                generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5,
-                warmup=False) as manager:
-            ids = [manager.add_request(w.prompt_ids, request_id=f"r{i}", max_new_tokens=w.max_new_tokens)
-                   for i, w in enumerate(items)]
-            results = {}
-            while len(results) < len(ids):
-                out = manager.get_result(timeout=60)
-                if out is None:
-                    raise RuntimeError("HF continuous batching returned nothing for 60 s")
-                if out.is_finished():
-                    results[out.request_id] = list(out.generated_tokens)
-        return [results[i] for i in ids]
+    def run(last: dict, items=items):
+        served = serve_hf_continuous(hf_model, items, [0.0] * len(items), config)
+        last["served"] = served
+        return served.ids
 
     try:
-        generate(items[:2])  # does it run at all on this machine?
+        run({}, items[:2])  # does it run at all on this machine?
     except Exception as exc:  # noqa: BLE001 - any failure is reported in the table, not raised
         return None, f"fails here: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    return (lambda last: generate(items)), None
+    return run, None
+
+
+def sweep_hf_batch_tokens(hf_model, items, s: Settings, candidates: list[int]) -> tuple[int, list]:
+    """HF continuous's max_batch_tokens with the least serving time (one run each), and the runs."""
+    tried = []
+    for value in candidates:
+        run, why_not = hf_continuous_runner(hf_model, items, s, value)
+        if run is None:
+            return value, []
+        last: dict = {}
+        run(last)
+        tried.append((value, last["served"].serve_s))
+    return min(tried, key=lambda t: t[1])[0], tried
 
 
 # ---------------------------------------------------------------- one model
 
 
-def systems_for(ours, theirs, items, s: Settings, full: bool = True) -> tuple[dict[str, System], str | None]:
+def systems_for(ours, theirs, items, s: Settings, hf_batch_tokens: int,
+                full: bool = True) -> tuple[dict[str, System], str | None]:
     """The systems to time (full=False: the HEADLINE ones) and, when HF continuous cannot run here, why."""
     demand = demand_blocks(items, s.block_size)
     base, base_waves = "HF batched", f"HF batched, {WAVES} waves"
     systems = {"L5 engine": System(l5_runner(ours, items, demand, s), base, 100),
                base: System(hf_batched_runner(theirs, items), base)}
-    run_cb, why_not = hf_continuous_runner(theirs, items, s)
+    run_cb, why_not = hf_continuous_runner(theirs, items, s, hf_batch_tokens)
     if run_cb is not None:
         systems["HF continuous"] = System(run_cb, base)
     if not full:
@@ -227,9 +255,11 @@ def systems_for(ours, theirs, items, s: Settings, full: bool = True) -> tuple[di
     return systems, why_not
 
 
-def time_rounds(systems: dict, warm_up: dict, repeat: int, device: str) -> tuple[dict, dict, dict]:
-    """Each of `warm_up` once, then `repeat` rounds running every system once. -> seconds, ids, engines."""
-    seconds, ids, engines = {name: [] for name in systems}, {}, {}
+def time_rounds(systems: dict, warm_up: dict, repeat: int, device: str) -> tuple[dict, dict, dict, dict]:
+    """Each of `warm_up` once, then `repeat` rounds running every system once.
+
+    -> seconds (serving only, where the system reports it), ids, engines, the best round's ServeRun."""
+    seconds, ids, engines, served = {name: [] for name in systems}, {}, {}, {}
     with torch.inference_mode():
         for system in warm_up.values():
             system.run({})
@@ -238,17 +268,24 @@ def time_rounds(systems: dict, warm_up: dict, repeat: int, device: str) -> tuple
                 last: dict = {}
                 t = timed(lambda: ids.__setitem__(name, system.run(last)), repeat=1, warmup=0, device=device)
                 engines[name] = last.get("engine")
-                seconds[name].append(t.best)
+                run = last.get("served")
+                seconds[name].append(run.serve_s if run else t.best)
+                if run and (name not in served or run.serve_s <= min(seconds[name])):
+                    served[name] = run
             print(f"  round {round_}/{repeat} done", flush=True)
-    return seconds, ids, engines
+    return seconds, ids, engines, served
 
 
-def table_rows(systems, seconds, ids, engines, tokens: int, num_requests: int) -> list[dict]:
+def table_rows(systems, seconds, ids, engines, served, tokens: int, num_requests: int) -> list[dict]:
     rows = []
     for name, system in systems.items():
         best = min(seconds[name])
         row = {"system": name, "pool %": system.pool, "mode": system.mode, "tokens": tokens, "best s": best,
                "median s": statistics.median(seconds[name]), "tok/s": tokens_per_s(tokens, best)}
+        if name in served:
+            run = served[name]
+            row["TTFT mean ms"] = None if math.isnan(run.ttft_mean_s) else 1e3 * run.ttft_mean_s
+            row["set-up s"], row["teardown s"] = run.setup_s, run.teardown_s
         if engines[name] is not None:
             totals = engines[name].summary()
             row["preemptions"] = totals["preempted_recompute"] + totals["preempted_swap"]
@@ -263,11 +300,13 @@ def table_rows(systems, seconds, ids, engines, tokens: int, num_requests: int) -
     return rows
 
 
-COLUMNS = ["system", "pool %", "mode", "tokens", "best s", "median s", "tok/s", "x base",
-           "preemptions", "recomputed", "swapped MiB", "same ids"]
+COLUMNS = ["system", "pool %", "mode", "tokens", "best s", "median s", "tok/s", "x base", "TTFT mean ms",
+           "set-up s", "teardown s", "preemptions", "recomputed", "swapped MiB", "same ids"]
 
 
-def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings, full: bool = True) -> dict:
+def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings, candidates: list[int],
+                full: bool = True) -> dict:
+    """Every system on one model; HF continuous's max_batch_tokens: the best of `candidates` (one run each)."""
     cfg = load_config(model_dir)
     ours = load_engine_model(model_dir, s.dtype, s.device)
     theirs = hf.load_hf_model(str(model_dir), s.device, s.dtype)
@@ -276,29 +315,73 @@ def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings,
           f"{len(items)} requests, prompts {sum(len(w.prompt_ids) for w in items)} tokens, "
           f"{tokens} new tokens, demand {demand} blocks of {s.block_size}")
     print("lengths (prompt+new): " + " ".join(f"{len(w.prompt_ids)}+{w.max_new_tokens}" for w in items))
-    systems, why_not = systems_for(ours, theirs, items, s, full)
-    warm_up, _ = systems_for(ours, theirs, items[:WARM_UP_REQUESTS], s, full)
-    seconds, ids, engines = time_rounds(systems, warm_up, s.repeat, s.device)
-    rows = table_rows(systems, seconds, ids, engines, tokens, len(items))
+    with torch.inference_mode():
+        hf_batch_tokens, tried = sweep_hf_batch_tokens(theirs, items, s, candidates)
+    if len(tried) > 1:
+        print("HF continuous max_batch_tokens sweep (one run each): "
+              + ", ".join(f"{v}: {t:.2f} s" for v, t in tried) + f" -> {hf_batch_tokens}")
+    systems, why_not = systems_for(ours, theirs, items, s, hf_batch_tokens, full)
+    warm_up, _ = systems_for(ours, theirs, items[:WARM_UP_REQUESTS], s, hf_batch_tokens, full)
+    seconds, ids, engines, served = time_rounds(systems, warm_up, s.repeat, s.device)
+    rows = table_rows(systems, seconds, ids, engines, served, tokens, len(items))
     if why_not:
         rows.append({"system": "HF continuous", "mode": why_not})
     print()
     print_table(rows, COLUMNS, floatfmt=".2f")
     print(f"x base: tok/s over HF batched's (over HF batched, {WAVES} waves' for the wave rows); "
           "same ids: requests whose ids equal the L5 engine's at full pool")
-    return {"label": label, "model": str(model_dir), "layers": cfg.num_hidden_layers,
-            "requests": len(items), "new_tokens": tokens, "demand_blocks": demand,
+    return {"label": label, "model": str(model_dir), "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "vocab": cfg.vocab_size, "prompt_tokens": sum(len(w.prompt_ids) for w in items),
+            "requests": len(items), "new_tokens": tokens, "demand_blocks": demand, "repeat": s.repeat,
+            "hf_settings": f"page_size {s.block_size}, num_blocks {demand} (1.0x the L5 pool), max_batch_tokens "
+                           f"{hf_batch_tokens}, allow_block_sharing False", "hf_sweep": tried,
             "lengths": [[len(w.prompt_ids), w.max_new_tokens] for w in items], "rows": rows}
 
 
-def bench_06b(args, shape: Shape, s: Settings) -> dict:
-    """The 0.6B shape, saved from a random init to a temporary folder (fp32, about 3 GB at 28 layers)."""
+def bench_06b(args, shape: Shape, s: Settings, hf_batch_tokens: int) -> dict:
+    """The 0.6B shape, saved from a random init to a temporary folder (fp32, about 0.9 GB at 4 layers)."""
     with tempfile.TemporaryDirectory() as tmp:
         config = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
         path = make_random_model(Path(tmp) / "qwen3-0.6b-shaped", num_hidden_layers=args.layers_06b, **config)
         label = f"Qwen3-0.6B-shaped random model, {args.layers_06b} of 28 layers"
         items = make_workload(shape, QWEN3_0_6B["vocab_size"], args.seed)
-        return bench_model(label, path, items, replace(s, repeat=args.repeat_06b), full=args.full_06b)
+        return bench_model(label, path, items, replace(s, repeat=args.repeat_06b), [hf_batch_tokens],
+                           full=args.full_06b)
+
+
+def batch_tokens(args) -> list[int]:
+    if args.hf_batch_tokens == "auto":
+        return [args.prefill_chunk + args.requests, 512, 1024]
+    try:
+        values = [int(v) for v in args.hf_batch_tokens.split(",")]
+    except ValueError:
+        raise InputError(f"--hf-batch-tokens takes integers separated by commas or auto, got {args.hf_batch_tokens!r}")
+    if min(values) < 1:
+        raise InputError("--hf-batch-tokens values must be at least 1")
+    return values
+
+
+MD_COLUMNS = ["system", "pool %", "best s", "median s", "tok/s", "x base", "TTFT mean ms", "set-up s", "teardown s",
+              "preemptions", "recomputed", "swapped MiB", "same ids"]
+
+
+def markdown(results: list[dict], command: str) -> str:
+    out = ["## L5: scheduling under memory pressure, and HF's continuous batching", "",
+           f"`{command}` — {machine_line(torch.get_num_threads())}.", "",
+           "Workload: requests of mixed lengths (prompts 8–128 tokens, 8–64 new tokens, fixed seed), all handed over "
+           "at once, EOS off. Seconds run from handing the requests over to the last token (serving only: building "
+           "the engine or HF's manager with its KV cache, and stopping it, are the set-up and teardown columns). "
+           "\"x base\": tokens/s over HF's batched `generate` (one left-padded batch; for the wave rows, one such "
+           "batch per wave). Best of the alternating rounds after a warm-up; the machine is shared, so ratios "
+           "within a table are the meaningful figures. \"same ids\": requests whose ids equal the L5 engine's.", ""]
+    for r in results:
+        out += [f"### {r['label']}: {r['layers']} layers, hidden {r['hidden']}, vocabulary {r['vocab']}", "",
+                f"{r['requests']} requests, {r['prompt_tokens']} prompt tokens, {r['new_tokens']} new tokens, "
+                f"demand {r['demand_blocks']} blocks; {r['repeat']} round(s). HF continuous: {r['hf_settings']}"
+                + (" (sweep, one run each: " + ", ".join(f"{v} → {t:.2f} s" for v, t in r["hf_sweep"]) + ")"
+                   if len(r["hf_sweep"]) > 1 else " (chosen by the sweep on the first model)") + ".", "",
+                markdown_table(r["rows"], MD_COLUMNS), ""]
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
@@ -311,6 +394,7 @@ def main(argv=None) -> int:
         model_dir = resolve_model_dir(args.model)
         cfg = load_config(model_dir)
         device, dtype = resolve_device(args.device, args.dtype)
+        candidates = batch_tokens(args)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -326,9 +410,16 @@ def main(argv=None) -> int:
               "load average": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     print(" · ".join(f"{key} {value}" for key, value in header.items()))
     shape = Shape(args.requests, WORKLOAD_SHAPE.prompt_lens, WORKLOAD_SHAPE.output_lens)
-    results = [bench_model(str(model_dir), model_dir, make_workload(shape, cfg.vocab_size, args.seed), s)]
-    if not args.skip_06b:
-        results.append(bench_06b(args, shape, s))
+    results = [bench_model(model_dir.name, model_dir, make_workload(shape, cfg.vocab_size, args.seed), s, candidates)]
+    if not args.skip_06b:  # HF's budget: what the sweep chose on the first model (sweeping here costs minutes)
+        chosen = int(results[0]["hf_settings"].split("max_batch_tokens ")[1].split(",")[0])
+        results.append(bench_06b(args, shape, s, chosen))
+    if args.markdown:
+        command = "python scripts/bench_l5.py" + "".join(
+            f" {a}" for a in (argv if argv is not None else sys.argv[1:])
+            if not a.startswith("--markdown") and a != args.markdown)
+        replace_section(args.markdown, "bench_l5", markdown(results, command))
+        print(f"wrote the bench_l5 section of {args.markdown}")
     if args.json:
         Path(args.json).write_text(json.dumps({**header, "models": results}, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -1,52 +1,62 @@
 #!/usr/bin/env python3
-"""L8 benchmark: many requests behind one long shared prefix, prefix sharing on vs off, in one run.
+"""L8 benchmark: requests behind one long shared prefix, prefix sharing on vs off, against HF's continuous batching.
 
 Workload (fixed seed): --requests requests (default 32), each a shared --prefix-len-token prefix
 (default 256) followed by its own --tail-len-token tail (default 32), random ids from the model's
-vocabulary. Request i arrives at step i, so every request after the first can find the prefix
-cached; each makes exactly --max-new-tokens new tokens (EOS does not stop it, so both modes do the
-same work). The pool is large enough that nothing is preempted.
+vocabulary, each making exactly --max-new-tokens new tokens (EOS off, so every system does the
+same work). Two arrival patterns, on a wall clock shared by every system:
+  burst       all requests handed over at once
+  staggered   request i handed over i x --stagger-ms milliseconds after the first
+The clock starts when the first request is handed over and stops at the last token of the last
+request; TTFT of a request runs from its hand-over to its first token. Building an engine or
+HF's manager (its KV cache included) and stopping it are timed apart (set-up, teardown).
 
-Figures, per mode:
-  prefill tokens computed   prompt tokens that went through the model (hits and forks excluded)
-  TTFT                      time to first token of one request: the wall time from the start of
-                            the engine step at which it arrives to the end of the step that
-                            produced its first token; the table shows the mean over requests
-  total                     wall time of the whole run (sum of its steps)
-Each step is timed with harness.benchmark.timed (synchronized on CUDA). Every mode runs once
-untimed, then --repeat times alternating with the other; the best run (least total) is kept.
-On CPU the default is one torch thread: the embedded model is tiny, and on a busy 2-core machine
-a second thread makes every parallel region wait for the other thread's time slice (runs with 2
-threads there swung from 0.7x to 1.9x for the same comparison; with 1 they stay within 2.4-2.7x).
+Systems:
+  L8 ...              this lesson's engine (default prefill budget 256 tokens per step; a request
+                      whose prefix another is computing is held, at most 8 steps), sharing on/off;
+                      on the burst also with no prefill cap (one forward for every arrival), with
+                      and without the hold: "no cap, no hold" is the engine before in-batch sharing
+  HF continuous ...   transformers' continuous batching manager (`init_continuous_batching`),
+                      page size = our block size, num_blocks = our pool (ratio 1.0), block sharing
+                      on/off like ours, max_batch_tokens the best of --hf-batch-tokens (a sweep,
+                      one untimed run each, printed) unless a single value is given
+Every system runs the workload once untimed, then --repeat rounds in turns (alternating, so load
+coming and going on a shared machine hits all alike); the best round per system is reported, and
+every request's ids are compared with HF's (sharing on) ones.
 
-The ideal saving: the first request must compute the prefix, the other N - 1 can reuse it, so at
-most (N - 1) * P / (N * (P + T)) of the prefill tokens are saved (86.1% for 32, 256, 32; P / (P + T)
-= 88.9% is the saving for one request once the prefix is cached). Full blocks only are shared: a
-prefix that is not a multiple of the block size saves a little less.
+A Qwen3-0.6B-shaped random model with --layers-0.6b layers (default 4; weights made in-process,
+nothing downloaded) runs the burst with --requests-0.6b requests (default 16), --repeat-0.6b rounds,
+HF with the max_batch_tokens its sweep chose on the embedded model's burst.
 
-    python scripts/bench_l8.py                         # embedded model, cpu float32
-    python scripts/bench_l8.py --requests 16 --prefix-len 512 --json bench_l8.json
+On CPU the default is one torch thread: the embedded model is tiny, and on a busy 2-core machine a
+second thread makes every parallel region wait for the other thread's time slice.
+
+    python scripts/bench_l8.py                                   # embedded model + 0.6B shape
+    python scripts/bench_l8.py --skip-0.6b --repeat 5 --json bench_l8.json
+    python scripts/bench_l8.py --markdown docs/benchmarks.md     # rewrite its section there (make bench)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
-import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from harness.benchmark import bench_parser, print_table, timed  # noqa: E402
+from harness import hf_reference as hf  # noqa: E402
+from harness.benchmark import (bench_parser, hf_continuous_config, machine_line, markdown_table, print_table,  # noqa: E402
+                               replace_section, serve_engine, serve_hf_continuous)
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
+from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
-from l5_eviction import WorkItem, engine_backend, load_engine_model  # noqa: E402
+from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, engine_backend, load_engine_model  # noqa: E402
 from l8_prefix import make_prefix_engine  # noqa: E402
 
 
@@ -56,55 +66,197 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefix-len", type=int, default=256, help="tokens of the shared prefix (default 256)")
     p.add_argument("--tail-len", type=int, default=32, help="tokens of each request's own tail (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="new tokens per request (default 8)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="our block size = HF's page size (default 16)")
+    p.add_argument("--stagger-ms", type=float, default=10.0,
+                   help="staggered arrivals: milliseconds between two hand-overs (default 10)")
+    p.add_argument("--hf-batch-tokens", default="auto",
+                   help="HF max_batch_tokens: one value, comma-separated values to sweep, or auto "
+                        "(default: sweep 256 + requests, 512, 1024, 2048)")
+    p.add_argument("--skip-0.6b", dest="skip_06b", action="store_true", help="leave out the 0.6B-shaped model")
+    p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=4,
+                   help="layers of the Qwen3-0.6B-shaped random model (default 4 of its 28)")
+    p.add_argument("--requests-0.6b", dest="requests_06b", type=int, default=16,
+                   help="requests of its burst (default 16)")
+    p.add_argument("--repeat-0.6b", dest="repeat_06b", type=int, default=1, help="its timed rounds (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's ids")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 on cpu, torch's choice on cuda); see the notes above")
+    p.add_argument("--markdown", metavar="PATH", default=None,
+                   help="also write the tables as the `bench_l8` section of the markdown file PATH")
     return p.parse_args(argv)
 
 
 def check(args, cfg) -> None:
-    for name in ("requests", "tail_len", "max_new_tokens", "block_size", "repeat"):
+    for name in ("requests", "tail_len", "max_new_tokens", "block_size", "repeat", "layers_06b", "requests_06b",
+                 "repeat_06b"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         raise InputError(f"--threads must be at least 1, got {args.threads}")
-    if args.prefix_len < 0:
-        raise InputError(f"--prefix-len must be at least 0, got {args.prefix_len}")
+    if args.prefix_len < 0 or args.stagger_ms < 0:
+        raise InputError("--prefix-len and --stagger-ms must be at least 0")
     length = args.prefix_len + args.tail_len + args.max_new_tokens
     if length > cfg.max_position_embeddings:
         raise InputError(f"a request needs {length} positions; the model has {cfg.max_position_embeddings}")
+    batch_tokens(args)
 
 
-def make_workload(args, vocab_size: int) -> list[WorkItem]:
+def batch_tokens(args, requests: int | None = None) -> list[int]:
+    if args.hf_batch_tokens == "auto":
+        return [DEFAULT_PREFILL_CHUNK + (requests or args.requests), 512, 1024, 2048]
+    try:
+        values = [int(v) for v in args.hf_batch_tokens.split(",")]
+    except ValueError:
+        raise InputError(f"--hf-batch-tokens takes integers separated by commas or auto, got {args.hf_batch_tokens!r}")
+    if min(values) < 1:
+        raise InputError("--hf-batch-tokens values must be at least 1")
+    return values
+
+
+def make_workload(requests: int, args, vocab_size: int) -> list[WorkItem]:
     rng = random.Random(args.seed)
     prefix = [rng.randrange(vocab_size) for _ in range(args.prefix_len)]
-    return [WorkItem(prefix + [rng.randrange(vocab_size) for _ in range(args.tail_len)], args.max_new_tokens,
-                     arrival_step=i) for i in range(args.requests)]
+    return [WorkItem(prefix + [rng.randrange(vocab_size) for _ in range(args.tail_len)], args.max_new_tokens)
+            for _ in range(requests)]
 
 
-def run_once(model, items: list[WorkItem], num_blocks: int, args, sharing: bool, backend: str) -> dict:
-    """One run of the workload on a fresh engine; per-step wall times give each request's TTFT."""
-    engine = make_prefix_engine(model, num_blocks, args.block_size, prefix_sharing=sharing, backend=backend)
-    engine.eos_ids = set()  # exactly max_new_tokens each, in both modes
-    for item in items:
-        engine.add_request(item)
-    step_s, first_token_step = [], {}
-    with torch.inference_mode():
-        while engine.has_unfinished():
-            step = engine.now
-            step_s.append(timed(engine.step, repeat=1, warmup=0, device=model.device).best)
-            for r in engine.requests.values():
-                if r.output_ids and r.request_id not in first_token_step:
-                    first_token_step[r.request_id] = step
-    ttft = [sum(step_s[r.arrival_step:first_token_step[i] + 1]) for i, r in engine.requests.items()]
-    m = engine.metrics()
-    return {"ids": [r.output_ids for r in engine.requests.values()],
-            "prefill_tokens_computed": m["prefill_tokens_computed"], "prefill_tokens_total": m["prefill_tokens_total"],
-            "prefix_hit_tokens": m["prefix_hit_tokens"], "hit_rate": m["hit_rate"],
-            "blocks_peak_used": engine.alloc.peak_used, "ttft_mean_s": statistics.fmean(ttft),
-            "ttft_median_s": statistics.median(ttft), "ttft_max_s": max(ttft), "total_s": sum(step_s),
-            "steps": engine.now}
+# ---------------------------------------------------------------- the systems
+
+
+def ours(model, num_blocks: int, args, backend: str, sharing: bool, **engine_kwargs):
+    def make():
+        engine = make_prefix_engine(model, num_blocks, args.block_size, prefix_sharing=sharing, backend=backend,
+                                    **engine_kwargs)
+        engine.eos_ids = set()  # exactly max_new_tokens each, as HF with EOS off
+        return engine
+    return lambda items, offsets: serve_engine(make, items, offsets)
+
+
+def theirs(model, num_blocks: int, args, sharing: bool, max_batch_tokens: int):
+    config = hf_continuous_config(args.block_size, num_blocks, max_batch_tokens, sharing)
+    return lambda items, offsets: serve_hf_continuous(model, items, offsets, config)
+
+
+def sweep_hf(hf_model, num_blocks, args, items, offsets, candidates) -> dict[bool, tuple[int, list]]:
+    """sharing -> (best max_batch_tokens, [(value, serve s, TTFT mean s)]); one run each."""
+    best = {}
+    for sharing in (True, False):
+        tried = []
+        for value in candidates:
+            run = theirs(hf_model, num_blocks, args, sharing, value)(items, offsets)
+            tried.append((value, run.serve_s, run.ttft_mean_s))
+        best[sharing] = (min(tried, key=lambda t: t[1])[0], tried)
+    return best
+
+
+def time_rounds(systems: dict, items, offsets, repeat: int) -> dict:
+    """Each system once untimed, then `repeat` rounds in turns; the best round (least serve time) of each."""
+    for run in systems.values():
+        run(items[:2], offsets[:2])
+    best = {}
+    for k in range(repeat):
+        for name, run in systems.items():
+            r = run(items, offsets)
+            if name not in best or r.serve_s < best[name].serve_s:
+                best[name] = r
+        print(f"  round {k + 1}/{repeat} done", flush=True)
+    return best
+
+
+def rows_for(best: dict, reference: str, tokens: int) -> list[dict]:
+    rows = []
+    for name, r in best.items():
+        e = r.engine
+        hf_name = "HF continuous, sharing " + ("off" if "sharing off" in name else "on")
+        row = {"system": name, "prefill tokens computed": e.metrics()["prefill_tokens_computed"] if e else None,
+               "held": e.prefix.held_for_prefix if e else None, "serve s": r.serve_s,
+               "tok/s": tokens / r.serve_s, "TTFT mean ms": 1e3 * r.ttft_mean_s, "TTFT max ms": 1e3 * max(r.ttft_s),
+               "set-up s": r.setup_s, "teardown s": r.teardown_s,
+               "HF serve / this": best[hf_name].serve_s / r.serve_s if hf_name in best else None,
+               "HF TTFT / this": best[hf_name].ttft_mean_s / r.ttft_mean_s if hf_name in best else None,
+               "same ids as HF": f"{sum(a == b for a, b in zip(r.ids, best[reference].ids))}/{len(r.ids)}"}
+        rows.append(row)
+    return rows
+
+
+COLUMNS = ["system", "prefill tokens computed", "held", "serve s", "tok/s", "TTFT mean ms", "TTFT max ms",
+           "set-up s", "teardown s", "HF serve / this", "HF TTFT / this", "same ids as HF"]
+
+
+def bench_workload(label, our_model, hf_model, items, offsets, args, backend, repeat, burst: bool,
+                   hf_batch_tokens: dict | None = None) -> dict:
+    """One workload, every system. hf_batch_tokens: sharing -> HF's max_batch_tokens (default: sweep)."""
+    num_blocks = sum(blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items)
+    candidates = batch_tokens(args, len(items))
+    if hf_batch_tokens:
+        swept = {s: (value, []) for s, value in hf_batch_tokens.items()}
+    elif len(candidates) > 1:
+        swept = sweep_hf(hf_model, num_blocks, args, items, offsets, candidates)
+    else:
+        swept = {s: (candidates[0], []) for s in (True, False)}
+    systems = {
+        "L8, sharing on": ours(our_model, num_blocks, args, backend, True),
+        "L8, sharing off": ours(our_model, num_blocks, args, backend, False),
+        "HF continuous, sharing on": theirs(hf_model, num_blocks, args, True, swept[True][0]),
+        "HF continuous, sharing off": theirs(hf_model, num_blocks, args, False, swept[False][0]),
+    }
+    if burst:
+        systems["L8, sharing on, no prefill cap"] = ours(our_model, num_blocks, args, backend, True, prefill_chunk=None)
+    best = time_rounds(systems, items, offsets, repeat)
+    if burst:  # the engine before in-batch sharing: one giant forward, every request computes the prefix
+        before = ours(our_model, num_blocks, args, backend, True, prefill_chunk=None, max_prefix_hold=0)
+        best["L8, sharing on, no prefill cap, no hold (1 run)"] = before(items, offsets)
+    tokens = sum(w.max_new_tokens for w in items)
+    rows = rows_for(best, "HF continuous, sharing on", tokens)
+    hf_settings = {s: f"page_size {args.block_size}, num_blocks {num_blocks} (1.0x ours), max_batch_tokens "
+                      f"{swept[s][0]}, allow_block_sharing {s}" for s in (True, False)}
+    print(f"\n== {label}")
+    for s, (value, tried) in swept.items():
+        if tried:
+            print(f"HF sweep, sharing {'on' if s else 'off'}: " + ", ".join(
+                f"{v}: {t:.2f} s (TTFT {1e3 * f:.0f} ms)" for v, t, f in tried) + f" -> {value}")
+    print_table(rows, COLUMNS, floatfmt=".2f")
+    return {"label": label, "pool_blocks": num_blocks, "hf_settings": hf_settings,
+            "hf_batch_tokens": {s: value for s, (value, _) in swept.items()},
+            "hf_sweep": {("on" if s else "off"): tried for s, (_, tried) in swept.items()}, "rows": rows}
+
+
+def bench_model(label, model_dir, args, device, dtype, backend, requests, repeat, staggered: bool,
+                hf_batch_tokens: dict | None = None) -> list[dict]:
+    """The burst (the staggered arrivals too if `staggered`); extra L8 rows only when HF's budget is swept."""
+    cfg = load_config(model_dir)
+    our_model = load_engine_model(model_dir, dtype, device)
+    hf_model = hf.load_hf_model(str(model_dir), device, dtype)
+    items = make_workload(requests, args, cfg.vocab_size)
+    results = [bench_workload(f"{label}: burst ({requests} requests at once)", our_model, hf_model, items,
+                              [0.0] * requests, args, backend, repeat, burst=hf_batch_tokens is None,
+                              hf_batch_tokens=hf_batch_tokens)]
+    if staggered:
+        offsets = [i * args.stagger_ms / 1e3 for i in range(requests)]
+        results.append(bench_workload(f"{label}: staggered (one every {args.stagger_ms:g} ms)", our_model, hf_model,
+                                      items, offsets, args, backend, repeat, burst=False))
+    return results
+
+
+def markdown(results: list[dict], args, command: str) -> str:
+    n, p, t = args.requests, args.prefix_len, args.tail_len
+    out = ["## L8: prefix sharing, and HF's continuous batching", "",
+           f"`{command}` — {machine_line(torch.get_num_threads())}.", "",
+           f"Workload: requests sharing a {p}-token prefix with their own {t}-token tails (random ids, seed "
+           f"{args.seed}), {args.max_new_tokens} new tokens each, EOS off. Clock: first request handed over → last "
+           "token; TTFT: hand-over → first token; set-up (engine or manager with its KV cache) and teardown "
+           f"timed apart. Best of {args.repeat} alternating rounds ({args.repeat_06b} on the 0.6B shape) after an "
+           "untimed run; the machine is shared, so ratios within a table are the meaningful figures. "
+           "\"HF serve / this\" > 1: this system is faster than HF's continuous batching with the same sharing.", ""]
+    for r in results:
+        out += [f"### {r['label']}", "",
+                f"HF settings: sharing on: {r['hf_settings'][True]}; sharing off: {r['hf_settings'][False]}.", ""]
+        for mode, tried in r["hf_sweep"].items():
+            if tried:
+                out += [f"HF max_batch_tokens sweep, sharing {mode} (one run each): " + ", ".join(
+                    f"{v} → {s:.2f} s" for v, s, _ in tried) + ".", ""]
+        out += [markdown_table(r["rows"], COLUMNS), ""]
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
@@ -114,60 +266,32 @@ def main(argv=None) -> int:
         cfg = load_config(model_dir)
         device, dtype = resolve_device(args.device, args.dtype)
         check(args, cfg)
-        if args.threads or device == "cpu":
-            torch.set_num_threads(args.threads or 1)
-        model = load_engine_model(model_dir, dtype, device)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.threads or device == "cpu":
+        torch.set_num_threads(args.threads or 1)
     backend = engine_backend(device)
-    items = make_workload(args, cfg.vocab_size)
-    num_blocks = sum(blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items)
-    n, p, t = args.requests, args.prefix_len, args.tail_len
-    ideal = (n - 1) * (p // args.block_size * args.block_size) / (n * (p + t))
-    header = {"model": str(model_dir), "device": device, "dtype": str(dtype).removeprefix("torch."),
-              "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "cpu": platform.processor() or platform.machine(), "requests": n, "prefix_len": p, "tail_len": t,
-              "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "pool_blocks": num_blocks,
-              "repeat": args.repeat, "backend": backend}
-    print(" · ".join(f"{key} {value}" for key, value in header.items()))
-
-    runs = {True: [], False: []}
-    for sharing in (True, False):  # untimed warm-up of each mode
-        run_once(model, items[:2], num_blocks, args, sharing, backend)
-    for _ in range(args.repeat):
-        for sharing in (True, False):
-            runs[sharing].append(run_once(model, items, num_blocks, args, sharing, backend))
-    best = {sharing: min(rs, key=lambda r: r["total_s"]) for sharing, rs in runs.items()}
-    on, off = best[True], best[False]
-    same_ids = on["ids"] == off["ids"]
-
-    columns = ["sharing", "prefill tokens computed", "hit rate", "peak blocks", "TTFT mean ms",
-               "TTFT median ms", "TTFT max ms", "total s"]
-
-    def row(name, r):
-        return {"sharing": name, "prefill tokens computed": r["prefill_tokens_computed"], "hit rate": r["hit_rate"],
-                "peak blocks": r["blocks_peak_used"], "TTFT mean ms": 1e3 * r["ttft_mean_s"],
-                "TTFT median ms": 1e3 * r["ttft_median_s"], "TTFT max ms": 1e3 * r["ttft_max_s"],
-                "total s": r["total_s"]}
-
-    rows = [row("on", on), row("off", off)]
-    rows.append({c: (rows[1][c] / rows[0][c] if rows[0][c] else None) for c in columns[1:]} | {"sharing": "off / on"})
-    rows[2]["hit rate"] = None
-    print()
-    print_table(rows, columns, floatfmt=".2f")
-    saved = 1 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"]
-    speedup = off["ttft_mean_s"] / on["ttft_mean_s"]
-    print(f"\nprefill tokens saved: {saved:.1%} (ideal (N-1)·P/(N·(P+T)) with full blocks: {ideal:.1%}) -> "
-          f"{'target met' if saved >= ideal - 1e-9 else 'TARGET MISSED'}")
-    print(f"TTFT mean speed-up: {speedup:.2f}x (target >= 2x) -> {'target met' if speedup >= 2 else 'TARGET MISSED'}")
-    print(f"same ids with sharing on and off: {same_ids}")
+    print(machine_line(torch.get_num_threads()))
+    print(f"device {device} · dtype {str(dtype).removeprefix('torch.')} · backend {backend} · block_size "
+          f"{args.block_size} · our prefill budget {DEFAULT_PREFILL_CHUNK} tokens/step")
+    results = bench_model(str(model_dir.name), model_dir, args, device, dtype, backend, args.requests, args.repeat,
+                          staggered=True)
+    if not args.skip_06b:
+        with tempfile.TemporaryDirectory() as tmp:
+            config = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
+            path = make_random_model(Path(tmp) / "qwen3-0.6b-shaped", num_hidden_layers=args.layers_06b, **config)
+            label = f"Qwen3-0.6B-shaped random model, {args.layers_06b} of 28 layers"
+            # HF's budget: what its sweep chose on the embedded model's burst (sweeping here costs minutes)
+            results += bench_model(label, path, args, device, dtype, backend, args.requests_06b, args.repeat_06b,
+                                   staggered=False, hf_batch_tokens=results[0]["hf_batch_tokens"])
+    command = "python scripts/bench_l8.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])
+                                                     if not a.startswith("--markdown") and a != args.markdown)
+    if args.markdown:
+        replace_section(args.markdown, "bench_l8", markdown(results, args, command))
+        print(f"wrote the bench_l8 section of {args.markdown}")
     if args.json:
-        result = {**header, "same_ids": same_ids, "prefill_saved": saved, "prefill_saved_ideal": ideal,
-                  "ttft_speedup": speedup,
-                  "modes": {"on": {k: v for k, v in on.items() if k != "ids"},
-                            "off": {k: v for k, v in off.items() if k != "ids"}}}
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"results": results}, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     return 0
 
