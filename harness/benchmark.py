@@ -13,6 +13,7 @@ run is the one least disturbed by other work (`timed` also gives the median).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -296,8 +297,6 @@ def serve_hf_continuous(model, items: list, offsets_s: list[float], cb_config) -
 
 def machine_line(threads: int) -> str:
     """Hardware, versions, date and load: the first line of every generated section."""
-    import datetime
-    import os
     import platform
 
     import transformers
@@ -306,7 +305,7 @@ def machine_line(threads: int) -> str:
     if torch.cuda.is_available():
         cpu += f", {torch.cuda.get_device_name()}"
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · {os.cpu_count()} cores ({cpu}) · "
+    return (f"{_now()} · {os.cpu_count()} cores ({cpu}) · "
             f"torch {torch.__version__} · transformers {transformers.__version__} · {threads} thread(s) · "
             f"load average {load} (1, 5, 15 min) at the start")
 
@@ -336,3 +335,28 @@ def replace_section(path: str, name: str, text: str) -> None:
     else:
         doc = doc.rstrip() + "\n\n" + block + "\n"
     Path(path).write_text(doc)
+
+
+def write_header(path: str) -> None:
+    """The `header` section of the benchmarks file: this machine, its versions and the date."""
+    import platform
+
+    import transformers
+
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f", {int(f.readline().split()[1]) / 2**20:.0f} GiB"
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    replace_section(path, "header", f"Sections marked as generated were last written by `make bench` on: "
+                                    f"{platform.machine()} CPU with {os.cpu_count()} cores{mem}, {gpu}, "
+                                    f"Python {platform.python_version()}, torch {torch.__version__}, "
+                                    f"transformers {transformers.__version__}, {_now()}.")
+
+
+def _now() -> str:
+    import datetime
+
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"

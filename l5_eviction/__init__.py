@@ -9,8 +9,8 @@ from .preempt import MODES, PreemptCounters, Preemptor, trim
 from .scheduler import RequestTooLargeError, Scheduler
 
 __all__ = [
-    "DEFAULT_PREFILL_CHUNK", "Engine", "StepRecord", "WorkItem", "generated_ids", "make_engine", "EngineRequest", "State",
-    "SwappedKv", "MixedBatchAttention", "MixedBatchMeta", "StepRunner", "build_step_meta",
+    "DEFAULT_PREFILL_CHUNK", "Engine", "StepRecord", "WorkItem", "generated_ids", "make_engine",
+    "EngineRequest", "State", "SwappedKv", "MixedBatchAttention", "MixedBatchMeta", "StepRunner", "build_step_meta",
     "check_engine_model", "engine_backend", "load_engine_model", "POLICIES", "ScorePolicy", "lru_key",
     "make_policy", "priority_key", "MODES", "PreemptCounters", "Preemptor", "trim",
     "RequestTooLargeError", "Scheduler",
