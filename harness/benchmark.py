@@ -295,7 +295,24 @@ def serve_hf_continuous(model, items: list, offsets_s: list[float], cb_config) -
 # ---------------------------------------------------------------- docs/benchmarks.md sections
 
 
-def machine_line(threads: int) -> str:
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def bench_command(script: str, argv: list[str]) -> str:
+    """The command line to quote, without --markdown/--json and their paths (this machine's)."""
+    out, skip = [f"python scripts/{script}"], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--markdown", "--json"):
+            skip = True
+        elif not arg.startswith(("--markdown=", "--json=")):
+            out.append(arg)
+    return " ".join(out)
+
+
+def machine_line(threads: int, load_at_start: str | None = None) -> str:
     """Hardware, versions, date and load: the first line of every generated section."""
     import platform
 
@@ -304,10 +321,10 @@ def machine_line(threads: int) -> str:
     cpu = platform.processor() or platform.machine()
     if torch.cuda.is_available():
         cpu += f", {torch.cuda.get_device_name()}"
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{_now()} · {os.cpu_count()} cores ({cpu}) · "
+    load = f"{load_at_start} at the start, {load_average()} at the end" if load_at_start else load_average()
+    return (f"finished {_now()} · {os.cpu_count()} cores ({cpu}) · "
             f"torch {torch.__version__} · transformers {transformers.__version__} · {threads} thread(s) · "
-            f"load average {load} (1, 5, 15 min) at the start")
+            f"load average (1, 5, 15 min) {load}")
 
 
 def markdown_table(rows: list[dict], columns: list[str], floatfmt: str = ".2f") -> str:

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (ServeRun, bench_parser, hf_continuous_config, hf_generate, machine_line, markdown_table,  # noqa: E402
+from harness.benchmark import (ServeRun, bench_command, bench_parser, hf_continuous_config, hf_generate, machine_line, markdown_table,  # noqa: E402
                                print_table, replace_section, serve_engine, serve_hf_continuous, timed,
                                tokens_per_s)
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
@@ -217,6 +217,8 @@ def hf_continuous_runner(hf_model, items, s: Settings, max_batch_tokens: int):
 
 def sweep_hf_batch_tokens(hf_model, items, s: Settings, candidates: list[int]) -> tuple[int, list]:
     """HF continuous's max_batch_tokens with the least serving time (one run each), and the runs."""
+    if len(candidates) == 1:
+        return candidates[0], []
     tried = []
     for value in candidates:
         run, why_not = hf_continuous_runner(hf_model, items, s, value)
@@ -365,9 +367,9 @@ MD_COLUMNS = ["system", "pool %", "best s", "median s", "tok/s", "x base", "TTFT
               "preemptions", "recomputed", "swapped MiB", "same ids"]
 
 
-def markdown(results: list[dict], command: str) -> str:
+def markdown(results: list[dict], command: str, load_at_start: str) -> str:
     out = ["## L5: scheduling under memory pressure, and HF's continuous batching", "",
-           f"`{command}` — {machine_line(torch.get_num_threads())}.", "",
+           f"`{command}` — {machine_line(torch.get_num_threads(), load_at_start)}.", "",
            "Workload: requests of mixed lengths (prompts 8–128 tokens, 8–64 new tokens, fixed seed), all handed over "
            "at once, EOS off. Seconds run from handing the requests over to the last token (serving only: building "
            "the engine or HF's manager with its KV cache, and stopping it, are the set-up and teardown columns). "
@@ -415,10 +417,8 @@ def main(argv=None) -> int:
         chosen = int(results[0]["hf_settings"].split("max_batch_tokens ")[1].split(",")[0])
         results.append(bench_06b(args, shape, s, chosen))
     if args.markdown:
-        command = "python scripts/bench_l5.py" + "".join(
-            f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-            if not a.startswith("--markdown") and a != args.markdown)
-        replace_section(args.markdown, "bench_l5", markdown(results, command))
+        command = bench_command("bench_l5.py", argv if argv is not None else sys.argv[1:])
+        replace_section(args.markdown, "bench_l5", markdown(results, command, header["load average"]))
         print(f"wrote the bench_l5 section of {args.markdown}")
     if args.json:
         Path(args.json).write_text(json.dumps({**header, "models": results}, indent=2) + "\n")

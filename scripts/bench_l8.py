@@ -50,8 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (bench_parser, hf_continuous_config, machine_line, markdown_table, print_table,  # noqa: E402
-                               replace_section, serve_engine, serve_hf_continuous)
+from harness.benchmark import (bench_command, bench_parser, hf_continuous_config, load_average,  # noqa: E402
+                               machine_line, markdown_table, print_table, replace_section, serve_engine,
+                               serve_hf_continuous)
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
@@ -71,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="staggered arrivals: milliseconds between two hand-overs (default 10)")
     p.add_argument("--hf-batch-tokens", default="auto",
                    help="HF max_batch_tokens: one value, comma-separated values to sweep, or auto "
-                        "(default: sweep 256 + requests, 512, 1024, 2048)")
+                        "(default: sweep 256 + requests, 512, 1024)")
     p.add_argument("--skip-0.6b", dest="skip_06b", action="store_true", help="leave out the 0.6B-shaped model")
     p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=4,
                    help="layers of the Qwen3-0.6B-shaped random model (default 4 of its 28)")
@@ -103,7 +104,7 @@ def check(args, cfg) -> None:
 
 def batch_tokens(args, requests: int | None = None) -> list[int]:
     if args.hf_batch_tokens == "auto":
-        return [DEFAULT_PREFILL_CHUNK + (requests or args.requests), 512, 1024, 2048]
+        return [DEFAULT_PREFILL_CHUNK + (requests or args.requests), 512, 1024]
     try:
         values = [int(v) for v in args.hf_batch_tokens.split(",")]
     except ValueError:
@@ -238,10 +239,10 @@ def bench_model(label, model_dir, args, device, dtype, backend, requests, repeat
     return results
 
 
-def markdown(results: list[dict], args, command: str) -> str:
+def markdown(results: list[dict], args, command: str, load_at_start: str) -> str:
     n, p, t = args.requests, args.prefix_len, args.tail_len
     out = ["## L8: prefix sharing, and HF's continuous batching", "",
-           f"`{command}` — {machine_line(torch.get_num_threads())}.", "",
+           f"`{command}` — {machine_line(torch.get_num_threads(), load_at_start)}.", "",
            f"Workload: requests sharing a {p}-token prefix with their own {t}-token tails (random ids, seed "
            f"{args.seed}), {args.max_new_tokens} new tokens each, EOS off. Clock: first request handed over → last "
            "token; TTFT: hand-over → first token; set-up (engine or manager with its KV cache) and teardown "
@@ -272,6 +273,7 @@ def main(argv=None) -> int:
     if args.threads or device == "cpu":
         torch.set_num_threads(args.threads or 1)
     backend = engine_backend(device)
+    load_at_start = load_average()
     print(machine_line(torch.get_num_threads()))
     print(f"device {device} · dtype {str(dtype).removeprefix('torch.')} · backend {backend} · block_size "
           f"{args.block_size} · our prefill budget {DEFAULT_PREFILL_CHUNK} tokens/step")
@@ -285,10 +287,9 @@ def main(argv=None) -> int:
             # HF's budget: what its sweep chose on the embedded model's burst (sweeping here costs minutes)
             results += bench_model(label, path, args, device, dtype, backend, args.requests_06b, args.repeat_06b,
                                    staggered=False, hf_batch_tokens=results[0]["hf_batch_tokens"])
-    command = "python scripts/bench_l8.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-                                                     if not a.startswith("--markdown") and a != args.markdown)
+    command = bench_command("bench_l8.py", argv if argv is not None else sys.argv[1:])
     if args.markdown:
-        replace_section(args.markdown, "bench_l8", markdown(results, args, command))
+        replace_section(args.markdown, "bench_l8", markdown(results, args, command, load_at_start))
         print(f"wrote the bench_l8 section of {args.markdown}")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results}, indent=2, default=str) + "\n")
