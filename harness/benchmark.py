@@ -322,7 +322,7 @@ def machine_line(threads: int, load_at_start: str | None = None) -> str:
     if torch.cuda.is_available():
         cpu += f", {torch.cuda.get_device_name()}"
     load = f"{load_at_start} at the start, {load_average()} at the end" if load_at_start else load_average()
-    return (f"finished {_now()} · {os.cpu_count()} cores ({cpu}) · "
+    return (f"{'finished ' if load_at_start else ''}{_now()} · {os.cpu_count()} cores ({cpu}) · "
             f"torch {torch.__version__} · transformers {transformers.__version__} · {threads} thread(s) · "
             f"load average (1, 5, 15 min) {load}")
 
