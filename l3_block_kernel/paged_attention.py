@@ -12,7 +12,8 @@
 
 One algorithm, two implementations, and a CPU stand-in:
 - `paged_attention_reference`: PyTorch, runs anywhere; the oracle for the kernel.
-- the CUDA kernel in csrc/paged_attention.cu, built on first use by `load_extension()`.
+- the CUDA kernel in csrc/paged_attention.cu, built on first use by `load_extension()`; the same
+  source also runs on a CPU under csrc/cuda_emulation.h (backend "emulated", `load_emulation()`).
 - `paged_attention_gather`: copies each sequence's blocks into a padded batch and calls SDPA once.
   The same result, by the copy the kernel exists to avoid; on a CPU that copy costs less than the
   reference's Python loop over blocks, so engines that care about speed use it there (L5).
@@ -21,51 +22,62 @@ One algorithm, two implementations, and a CPU stand-in:
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from l1_contiguous.errors import InputError
 
-CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-KERNEL_SOURCE = CSRC_DIR / "paged_attention.cu"  # plain CUDA, compiles with `nvcc -c` alone
-BINDING_SOURCE = CSRC_DIR / "binding.cpp"
-EXTENSION_NAME = "l3_paged_attention"
+from .kernel_build import CSRC_DIR, KERNEL_SOURCE, load_emulation, load_extension  # noqa: F401
+
 KERNEL_HEAD_DIMS = (32, 64, 128)
 KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BACKENDS = ("auto", "kernel", "gather", "reference")
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KvDtype in paged_attention.h
+BACKENDS = ("auto", "kernel", "emulated", "gather", "reference")
+# Split-K (flash-decoding). Below SPLIT_K_MIN_BLOCKS single-pass thread blocks a GPU has idle SMs
+# (an H100 has 132, each can hold 2 of these blocks); a context of at least two partitions then
+# gains more from spreading its positions over several blocks than the merge costs.
+SPLIT_K_PARTITION = 512
+SPLIT_K_MIN_BLOCKS = 128
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     scale: float | None = None, backend: str = "auto", *,
-                    check_values: bool = True) -> torch.Tensor:
+                    check_values: bool = True, split_k: bool | None = None,
+                    partition_size: int = SPLIT_K_PARTITION) -> torch.Tensor:
     """Decode attention: each sequence's one query token attends to its first context_len positions.
 
     q [num_seqs, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] (contiguous);
     block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs].
     Returns [num_seqs, H, D] in q's dtype. scale defaults to 1 / sqrt(D).
 
-    backend: "kernel" (CUDA), "reference" (PyTorch), "gather" (PyTorch, fast on CPU), or "auto":
-    the kernel when q is on CUDA and `kernel_unsupported_reason` finds nothing against it, else
-    the reference.
+    backend: "kernel" (CUDA), "emulated" (the kernel's own code on a CPU, csrc/cuda_emulation.h),
+    "reference" (PyTorch), "gather" (PyTorch, fast on CPU), or "auto": the kernel when q is on
+    CUDA, the kernel supports the shapes and it builds, else the reference (saying why, once).
     check_values: also check every length and every block id a sequence uses. On CUDA this reads
     the tables back to the host (a sync), so a hot loop whose tables were built and checked on
-    the host passes False.
+    the host passes False. The emulated backend always checks: a bad id would crash the process.
+    split_k, partition_size: kernel and emulated only. None lets `use_split_k` decide; True or
+    False forces split-K (partitions of partition_size positions, a multiple of 8) or the single pass.
     """
     check_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    if check_values:
-        check_table_values(k_cache, block_tables, context_lens)
     backend = _pick_backend(backend, q, k_cache)
+    if check_values or backend == "emulated":
+        check_table_values(k_cache, block_tables, context_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    if backend == "kernel":
-        return load_extension().forward(q.contiguous(), k_cache, v_cache, block_tables.contiguous(),
-                                        context_lens.contiguous(), scale)
+    if backend in ("kernel", "emulated"):
+        q = q.contiguous()
+        check_alignment(q, k_cache, v_cache)
+        if split_k is None:
+            split_k = use_split_k(q.shape[0], q.shape[1], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1])
+        partition = _check_partition_size(partition_size) if split_k else 0
+        run = load_extension().forward if backend == "kernel" else paged_attention_emulated
+        return run(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, partition)
     if backend == "gather":
         return paged_attention_gather(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
@@ -200,9 +212,7 @@ def check_table_values(k_cache, block_tables, context_lens) -> None:
 
 
 def kernel_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
-    """Why the CUDA kernel cannot take these (already checked) inputs, or None when it can."""
-    if not q.is_cuda:
-        return f"the tensors are on {q.device}, the kernel needs CUDA"
+    """Why the kernel (on CUDA or emulated) cannot take these (already checked) shapes, or None."""
     if q.dtype not in KERNEL_DTYPES:
         return f"dtype {q.dtype} is not one of float32, float16, bfloat16"
     if q.shape[-1] not in KERNEL_HEAD_DIMS:
@@ -212,35 +222,87 @@ def kernel_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | N
     return None
 
 
+def heads_per_block(group: int) -> int:
+    """Query heads one thread block serves: the largest of 8, 4, 2, 1 dividing the GQA group."""
+    return next(n for n in (8, 4, 2, 1) if group % n == 0)
+
+
+def use_split_k(num_seqs: int, num_heads: int, num_kv_heads: int, capacity: int) -> bool:
+    """The dispatch rule: split-K when the single pass would launch fewer than SPLIT_K_MIN_BLOCKS
+    thread blocks and the tables can hold at least two partitions (capacity = max_blocks *
+    block_size, known on the host without reading the lengths back from the GPU)."""
+    blocks = num_seqs * num_heads // heads_per_block(num_heads // num_kv_heads)
+    return blocks < SPLIT_K_MIN_BLOCKS and capacity >= 2 * SPLIT_K_PARTITION
+
+
+def _check_partition_size(partition_size: int) -> int:
+    if not isinstance(partition_size, int) or partition_size <= 0 or partition_size % 8:
+        raise InputError(f"partition_size must be a positive multiple of 8 (the kernel's tile), got {partition_size!r}")
+    return partition_size
+
+
+def check_alignment(q, k_cache, v_cache) -> None:
+    """The widest load a lane issues is head_dim / 32 elements: each base pointer must be aligned to it."""
+    alignment = q.element_size() * q.shape[-1] // 32
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.data_ptr() % alignment:
+            raise InputError(f"{name} must start on a {alignment}-byte boundary (the kernel loads head_dim / 32 "
+                             f"elements at once), got address {t.data_ptr():#x}; pass a fresh tensor or .clone()")
+
+
+def paged_attention_emulated(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                             partition_size: int = 0) -> torch.Tensor:
+    """Runs csrc/paged_attention.cu on the CPU (see cuda_emulation.h). Inputs checked and contiguous."""
+    out = torch.empty_like(q)
+    num_seqs, num_heads, head_dim = q.shape
+    partial_ml = partial_acc = None
+    if partition_size:
+        max_partitions = -(-block_tables.shape[1] * k_cache.shape[1] // partition_size)
+        partial_ml = torch.empty(num_seqs, num_heads, max_partitions, 2)
+        partial_acc = torch.empty(num_seqs, num_heads, max_partitions, head_dim)
+    error = load_emulation().l3_emulated_paged_attention(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        block_tables.shape[1], scale, _DTYPE_CODES[q.dtype], partition_size,
+        None if partial_ml is None else partial_ml.data_ptr(), None if partial_acc is None else partial_acc.data_ptr())
+    if error is not None:
+        raise InputError(error.decode())
+    return out
+
+
+_fallbacks_reported: set[str] = set()
+
+
+def _fall_back(reason: str) -> str:
+    """backend='auto' on CUDA without the kernel: take the reference, and say why once per reason."""
+    if reason not in _fallbacks_reported:
+        _fallbacks_reported.add(reason)
+        warnings.warn(f"paged_attention: backend='auto' uses the PyTorch reference: {reason}", stacklevel=4)
+    return "reference"
+
+
 def _pick_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     reason = kernel_unsupported_reason(q, k_cache)
     if backend == "auto":
-        return "kernel" if reason is None else "reference"
-    if backend == "kernel" and reason is not None:
-        raise InputError(f"backend='kernel' cannot run this call: {reason}; use backend='reference'")
+        if not q.is_cuda:
+            return "reference"
+        if reason is not None:
+            return _fall_back(reason)
+        try:
+            load_extension()
+        except InputError as exc:  # remembered: the build is not tried again
+            return _fall_back(str(exc))
+        return "kernel"
+    if backend == "kernel" and not q.is_cuda:
+        raise InputError(f"backend='kernel' needs CUDA tensors, got {q.device}; use backend='emulated' "
+                         "(the kernel's code on the CPU) or 'reference'")
+    if backend == "emulated" and q.device.type != "cpu":
+        raise InputError(f"backend='emulated' runs on the CPU, got tensors on {q.device}; use backend='kernel'")
+    if backend in ("kernel", "emulated") and reason is not None:
+        raise InputError(f"backend={backend!r} cannot run this call: {reason}; use backend='reference'")
     return backend
-
-
-@functools.lru_cache(maxsize=None)
-def load_extension():
-    """Builds the CUDA extension on first use (a minute or so), then returns the cached module.
-
-    torch keeps the build under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) and
-    rebuilds only when a source changes, so a later process loads it in about a second.
-    """
-    from torch.utils import cpp_extension
-
-    try:
-        # NOTE: -O3 without --use_fast_math: fast math would flush denormals and turn the final
-        # division into an approximation, and the kernel is memory-bound, so it would gain nothing.
-        return cpp_extension.load(name=EXTENSION_NAME, sources=[str(BINDING_SOURCE), str(KERNEL_SOURCE)],
-                                  extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])
-    except Exception as exc:  # a compiler error, no nvcc, or a CPU-only build of torch
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise InputError(f"cannot build the L3 CUDA extension ({first_line}); it needs a CUDA build of "
-                         "torch and nvcc (set CUDA_HOME); use backend='reference' meanwhile") from exc
 
 
 def _expect(ok: bool, what: str, tensor: torch.Tensor) -> None:

@@ -29,10 +29,11 @@ void check_tensor(const torch::Tensor& t, const char* name, const torch::Tensor&
 
 // q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
 // head_dim]; block_tables int32 [num_seqs, max_blocks_per_seq]; context_lens int32 [num_seqs].
+// partition_size: 0 for the single-pass kernel, else split-K with partitions of that many positions.
 // Returns out [num_seqs, num_heads, head_dim] in q's dtype.
 torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k_cache,
                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                      const torch::Tensor& context_lens, double scale) {
+                      const torch::Tensor& context_lens, double scale, int64_t partition_size) {
   TORCH_CHECK(q.is_cuda(), "paged_attention: q must be a CUDA tensor, got ", q.device());
   check_tensor(q, "q", q, 3);
   check_tensor(k_cache, "k_cache", q, 4);
@@ -67,6 +68,17 @@ torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k_cache,
   args.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
   args.scale = static_cast<float>(scale);
   args.dtype = kv_dtype(q);
+  args.partition_size = static_cast<int>(partition_size);
+  torch::Tensor partial_ml, partial_acc;  // split-K's partial states, float32
+  if (partition_size > 0) {
+    const int64_t capacity = int64_t(args.max_blocks_per_seq) * args.block_size;
+    const int64_t max_partitions = (capacity + partition_size - 1) / partition_size;
+    const auto options = q.options().dtype(torch::kFloat32);
+    partial_ml = torch::empty({q.size(0), q.size(1), max_partitions, 2}, options);
+    partial_acc = torch::empty({q.size(0), q.size(1), max_partitions, q.size(2)}, options);
+    args.partial_ml = partial_ml.data_ptr<float>();
+    args.partial_acc = partial_acc.data_ptr<float>();
+  }
   const char* error = paged_attention_launch(args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(error == nullptr, error);
   return out;
@@ -75,5 +87,6 @@ torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k_cache,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "Paged-attention decode over a block-tensor KV pool (see paged_attention.h)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
-        pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("scale"));
+        pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("scale"),
+        pybind11::arg("partition_size"));
 }

@@ -16,10 +16,11 @@
 // context_len are never loaded), computes 8 scores per head, and folds them into its running
 // softmax state (online softmax). At the end the 8 warps merge their states in shared memory.
 //
-// NOTE: one thread block per (sequence, GQA group) keeps the kernel simple, but it gives the GPU
-// only num_seqs * num_kv_heads blocks: enough at batch 32 with 8 KV heads (256 blocks), too few
-// to reach full bandwidth at batch 1. Splitting a long context across several thread blocks
-// and merging their softmax states in a second kernel (flash-decoding) would fix that.
+// Split-K (flash-decoding). One thread block per (sequence, GQA group) gives the GPU only
+// num_seqs * num_kv_heads blocks: enough at batch 32 with 8 KV heads (256 blocks), too few to
+// reach full bandwidth at batch 1. With partition_size > 0 a third grid dimension cuts each
+// context into partitions; each block writes the partial softmax state of its partition, and a
+// second kernel merges the partitions exactly. The caller (paged_attention.py) picks the path.
 
 #include "paged_attention.h"
 
@@ -28,6 +29,12 @@
 
 #include <cmath>
 #include <cstdint>
+
+// `kernel<<<grid, block, 0, stream>>>(args)` spelled as a macro, so that the CPU emulation
+// (cuda_emulation.h) can run the same launch on host threads.
+#ifndef LAUNCH_KERNEL
+#define LAUNCH_KERNEL(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
+#endif
 
 namespace {
 
@@ -44,7 +51,6 @@ constexpr int kMaxBlockSize = 128;
 // state is larger; forcing the limit there would spill registers to local memory.
 template <int HEADS_PER_BLOCK>
 constexpr int kMinBlocksPerSm = HEADS_PER_BLOCK <= 2 ? 2 : 1;
-constexpr int kAlignment = 16;  // bytes; enough for the widest Vec (4 floats)
 // NOTE: scores are kept in log2 units (q is scaled by log2(e) once), so every exponential is an
 // exp2f, which the GPU's special-function unit computes directly (expf needs an extra multiply):
 // exp(x - m) == exp2(x * log2(e) - m * log2(e)).
@@ -192,11 +198,11 @@ __device__ __forceinline__ void attend_tile(
   update_state<T>(s, v, st);
 }
 
-// Merges the warps' states and writes the block's HEADS output rows.
-template <typename T, int HEAD_DIM, int HEADS, int ELEMS>
-__device__ __forceinline__ void merge_warps_and_store(
-    const SoftmaxState<HEADS, ELEMS>& st,
-    T* __restrict__ out_rows) {  // [HEADS, HEAD_DIM] at the block's first head
+// Merges the warps' states in shared memory. For each of the block's HEADS * HEAD_DIM outputs
+// (i = h * HEAD_DIM + d) calls store(i, m, l, o): the block's max score m (log2 units, -inf when
+// no warp saw a position), its sum l of exp2(score - m), and o, the sum of exp2(score - m) * v[d].
+template <int HEAD_DIM, int HEADS, int ELEMS, typename Store>
+__device__ __forceinline__ void merge_warps(const SoftmaxState<HEADS, ELEMS>& st, Store store) {
   __shared__ float warp_m[kNumWarps][HEADS];
   __shared__ float warp_l[kNumWarps][HEADS];
   __shared__ float warp_acc[kNumWarps][HEADS][HEAD_DIM];
@@ -219,16 +225,62 @@ __device__ __forceinline__ void merge_warps_and_store(
     for (int w = 0; w < kNumWarps; ++w) m = fmaxf(m, warp_m[w][h]);
     float l = 0.f;
     float o = 0.f;
-    for (int w = 0; w < kNumWarps; ++w) {
-      // A warp that saw no position has m = -inf, hence weight 0 (and l = acc = 0).
-      const float weight = exp2f(warp_m[w][h] - m);
-      l += weight * warp_l[w][h];
-      o += weight * warp_acc[w][h][d];
+    if (m != -INFINITY) {  // else no warp saw a position: exp2(-inf - -inf) would be NaN
+      for (int w = 0; w < kNumWarps; ++w) {
+        // A warp that saw no position has m = -inf, hence weight 0 (and l = acc = 0).
+        const float weight = exp2f(warp_m[w][h] - m);
+        l += weight * warp_l[w][h];
+        o += weight * warp_acc[w][h][d];
+      }
     }
-    out_rows[i] = from_float<T>(o / l);  // l >= 1: the warp that holds the max adds exp2(0)
+    store(i, m, l, o);
   }
 }
 
+// The warps of a block share the tiles of positions [begin, end): warp w takes the tiles
+// w, w + 8, ... counted from begin. begin is a multiple of kTileTokens, so no tile straddles two
+// KV blocks. Returns each warp's state over its tiles.
+template <typename T, int HEAD_DIM, int HEADS, int ELEMS>
+__device__ __forceinline__ void attend_positions(
+    const float (&q_reg)[HEADS][ELEMS], const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int32_t* __restrict__ block_table,  // [max_blocks_per_seq] of this sequence
+    int kv_head, int num_kv_heads, int block_size, int begin, int end, SoftmaxState<HEADS, ELEMS>& state) {
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t row_stride = int64_t(num_kv_heads) * HEAD_DIM;
+  for (int start = begin + warp * kTileTokens; start < end; start += kNumWarps * kTileTokens) {
+    // NOTE: int64 from here on: num_blocks * block_size * num_kv_heads * head_dim can pass 2^31.
+    const int64_t block_id = block_table[start / block_size];
+    const int64_t slot = block_id * block_size + start % block_size;  // the course's slot convention
+    const int64_t offset = slot * row_stride + kv_head * HEAD_DIM + lane * ELEMS;
+    const int num_valid = min(kTileTokens, end - start);
+    attend_tile<T>(q_reg, k_cache + offset, v_cache + offset, row_stride, num_valid, state);
+  }
+}
+
+// What every kernel below needs to know about its thread block's place in the problem.
+struct BlockPlace {
+  int seq;            // blockIdx.x
+  int first_head;     // the block's first query head
+  int kv_head;        // the KV head its query heads share
+  int context_len;    // clamped to the table's capacity (the host checks every length)
+  int64_t first_row;  // q/out row of the first head: seq * num_heads + first_head
+};
+
+__device__ __forceinline__ BlockPlace place_block(const int32_t* __restrict__ context_lens, int heads_per_block,
+                                                  int num_heads, int num_kv_heads, int capacity) {
+  BlockPlace p;
+  p.seq = blockIdx.x;
+  p.first_head = blockIdx.y * heads_per_block;
+  p.kv_head = p.first_head / (num_heads / num_kv_heads);
+  // NOTE: the clamp only keeps a bad length from reading past the table's row.
+  p.context_len = min(context_lens[p.seq], capacity);
+  p.first_row = int64_t(p.seq) * num_heads + p.first_head;
+  return p;
+}
+
+// Single pass: grid (num_seqs, num_heads / HEADS_PER_BLOCK); one block reads a sequence's whole
+// context for HEADS_PER_BLOCK query heads and writes their output rows.
 template <typename T, int HEAD_DIM, int HEADS_PER_BLOCK>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) paged_attention_kernel(
     T* __restrict__ out,                       // [num_seqs, num_heads, HEAD_DIM]
@@ -240,50 +292,115 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) pa
     int num_heads, int num_kv_heads, int block_size, int max_blocks_per_seq,
     float scale_log2) {                        // softmax scale * log2(e)
   constexpr int kElems = HEAD_DIM / kWarpSize;  // elements of a row that one lane owns
-  const int seq = blockIdx.x;
-  const int first_head = blockIdx.y * HEADS_PER_BLOCK;
-  const int kv_head = first_head / (num_heads / num_kv_heads);
-  const int warp = threadIdx.x / kWarpSize;
+  const BlockPlace p = place_block(context_lens, HEADS_PER_BLOCK, num_heads, num_kv_heads,
+                                   max_blocks_per_seq * block_size);
   const int lane = threadIdx.x % kWarpSize;
-  const int32_t* block_table = block_tables + int64_t(seq) * max_blocks_per_seq;  // [max_blocks_per_seq]
-  // NOTE: the host checks every length; the clamp only keeps a bad one from reading past the row.
-  const int context_len = min(context_lens[seq], max_blocks_per_seq * block_size);
-  const int64_t first_row = int64_t(seq) * num_heads + first_head;  // q/out row of the first head
-
   float q_reg[HEADS_PER_BLOCK][kElems];
-  load_query<T>(q + first_row * HEAD_DIM + lane * kElems, HEAD_DIM, scale_log2, q_reg);
+  load_query<T>(q + p.first_row * HEAD_DIM + lane * kElems, HEAD_DIM, scale_log2, q_reg);
   SoftmaxState<HEADS_PER_BLOCK, kElems> state;
   init_state(state);
+  attend_positions<T, HEAD_DIM>(q_reg, k_cache, v_cache, block_tables + int64_t(p.seq) * max_blocks_per_seq,
+                                p.kv_head, num_kv_heads, block_size, 0, p.context_len, state);
+  T* out_rows = out + p.first_row * HEAD_DIM;  // [HEADS_PER_BLOCK, HEAD_DIM]
+  merge_warps<HEAD_DIM>(state, [&](int i, float /*m*/, float l, float o) {
+    // l >= 1 when the block saw a position (the warp that holds the max adds exp2(0)); a length
+    // of 0 or less gives l = 0, and writes 0 rather than 0 / 0 = NaN.
+    out_rows[i] = from_float<T>(l > 0.f ? o / l : 0.f);
+  });
+}
 
-  const int64_t row_stride = int64_t(num_kv_heads) * HEAD_DIM;
-  const int num_tiles = (context_len + kTileTokens - 1) / kTileTokens;
-  for (int tile = warp; tile < num_tiles; tile += kNumWarps) {
-    const int start = tile * kTileTokens;  // first position of the tile
-    // NOTE: int64 from here on: num_blocks * block_size * num_kv_heads * head_dim can pass 2^31.
-    const int64_t block_id = block_table[start / block_size];
-    const int64_t slot = block_id * block_size + start % block_size;  // the course's slot convention
-    const int64_t offset = slot * row_stride + kv_head * HEAD_DIM + lane * kElems;
-    const int num_valid = min(kTileTokens, context_len - start);
-    attend_tile<T>(q_reg, k_cache + offset, v_cache + offset, row_stride, num_valid, state);
+// Split-K, first kernel: grid (num_seqs, num_heads / HEADS_PER_BLOCK, max_partitions). Block z
+// reads only positions [z * partition_size, (z + 1) * partition_size) of its sequence and writes
+// its partial state, unnormalised, for the reduce kernel:
+//   partial_ml  [num_seqs, num_heads, max_partitions, 2]         (m in log2 units, l)
+//   partial_acc [num_seqs, num_heads, max_partitions, HEAD_DIM]   (o)
+// A partition past the sequence's end returns at once and writes nothing.
+template <typename T, int HEAD_DIM, int HEADS_PER_BLOCK>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) paged_attention_partition_kernel(
+    float* __restrict__ partial_ml, float* __restrict__ partial_acc, const T* __restrict__ q,
+    const T* __restrict__ k_cache, const T* __restrict__ v_cache, const int32_t* __restrict__ block_tables,
+    const int32_t* __restrict__ context_lens, int num_heads, int num_kv_heads, int block_size,
+    int max_blocks_per_seq, int partition_size, float scale_log2) {
+  constexpr int kElems = HEAD_DIM / kWarpSize;
+  const BlockPlace p = place_block(context_lens, HEADS_PER_BLOCK, num_heads, num_kv_heads,
+                                   max_blocks_per_seq * block_size);
+  const int begin = blockIdx.z * partition_size;
+  if (begin >= p.context_len) return;  // the whole block leaves before any barrier
+  const int end = min(begin + partition_size, p.context_len);
+  const int lane = threadIdx.x % kWarpSize;
+  float q_reg[HEADS_PER_BLOCK][kElems];
+  load_query<T>(q + p.first_row * HEAD_DIM + lane * kElems, HEAD_DIM, scale_log2, q_reg);
+  SoftmaxState<HEADS_PER_BLOCK, kElems> state;
+  init_state(state);
+  attend_positions<T, HEAD_DIM>(q_reg, k_cache, v_cache, block_tables + int64_t(p.seq) * max_blocks_per_seq,
+                                p.kv_head, num_kv_heads, block_size, begin, end, state);
+  const int max_partitions = gridDim.z;
+  merge_warps<HEAD_DIM>(state, [&](int i, float m, float l, float o) {
+    const int64_t part = (p.first_row + i / HEAD_DIM) * max_partitions + blockIdx.z;  // [seq, head, z]
+    partial_acc[part * HEAD_DIM + i % HEAD_DIM] = o;
+    if (i % HEAD_DIM == 0) {
+      partial_ml[part * 2] = m;
+      partial_ml[part * 2 + 1] = l;
+    }
+  });
+}
+
+// Split-K, second kernel: grid (num_seqs, num_heads), HEAD_DIM threads, thread d writes out[d].
+// The merge is exact: with M the largest partition max, every partition's l and o are rescaled by
+// exp2(m_z - M) and summed, the same step that merges two warps or two tiles.
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(HEAD_DIM) paged_attention_reduce_kernel(
+    T* __restrict__ out, const float* __restrict__ partial_ml, const float* __restrict__ partial_acc,
+    const int32_t* __restrict__ context_lens, int capacity, int max_partitions, int partition_size) {
+  const int64_t row = int64_t(blockIdx.x) * gridDim.y + blockIdx.y;  // seq * num_heads + head
+  const int d = threadIdx.x;
+  const int context_len = min(context_lens[blockIdx.x], capacity);
+  const int num_partitions = context_len > 0 ? (context_len + partition_size - 1) / partition_size : 0;
+  const float* ml = partial_ml + row * max_partitions * 2;          // [max_partitions, 2]
+  const float* acc = partial_acc + row * max_partitions * HEAD_DIM;  // [max_partitions, HEAD_DIM]
+  float m = -INFINITY;
+  for (int z = 0; z < num_partitions; ++z) m = fmaxf(m, ml[z * 2]);
+  float l = 0.f;
+  float o = 0.f;
+  for (int z = 0; z < num_partitions; ++z) {
+    const float weight = exp2f(ml[z * 2] - m);
+    l += weight * ml[z * 2 + 1];
+    o += weight * acc[z * HEAD_DIM + d];
   }
-  merge_warps_and_store<T, HEAD_DIM>(state, out + first_row * HEAD_DIM);
+  out[row * HEAD_DIM + d] = from_float<T>(l > 0.f ? o / l : 0.f);
+}
+
+int max_partitions(const PagedAttentionArgs& a) {
+  return (a.max_blocks_per_seq * a.block_size + a.partition_size - 1) / a.partition_size;
 }
 
 template <typename T, int HEAD_DIM, int HEADS_PER_BLOCK>
-const char* launch(const PagedAttentionArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.num_seqs, a.num_heads / HEADS_PER_BLOCK);
-  paged_attention_kernel<T, HEAD_DIM, HEADS_PER_BLOCK><<<grid, kThreads, 0, stream>>>(
-      static_cast<T*>(a.out), static_cast<const T*>(a.q), static_cast<const T*>(a.k_cache),
-      static_cast<const T*>(a.v_cache), a.block_tables, a.context_lens, a.num_heads,
-      a.num_kv_heads, a.block_size, a.max_blocks_per_seq, a.scale * kLog2e);
-  const cudaError_t error = cudaGetLastError();
-  return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
+void launch(const PagedAttentionArgs& a, cudaStream_t stream) {
+  T* out = static_cast<T*>(a.out);
+  const T* q = static_cast<const T*>(a.q);
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  const float scale_log2 = a.scale * kLog2e;
+  if (a.partition_size == 0) {
+    const dim3 grid(a.num_seqs, a.num_heads / HEADS_PER_BLOCK);
+    LAUNCH_KERNEL((paged_attention_kernel<T, HEAD_DIM, HEADS_PER_BLOCK>), grid, kThreads, stream)(
+        out, q, k_cache, v_cache, a.block_tables, a.context_lens, a.num_heads, a.num_kv_heads,
+        a.block_size, a.max_blocks_per_seq, scale_log2);
+    return;
+  }
+  const dim3 grid(a.num_seqs, a.num_heads / HEADS_PER_BLOCK, max_partitions(a));
+  LAUNCH_KERNEL((paged_attention_partition_kernel<T, HEAD_DIM, HEADS_PER_BLOCK>), grid, kThreads, stream)(
+      a.partial_ml, a.partial_acc, q, k_cache, v_cache, a.block_tables, a.context_lens, a.num_heads,
+      a.num_kv_heads, a.block_size, a.max_blocks_per_seq, a.partition_size, scale_log2);
+  LAUNCH_KERNEL((paged_attention_reduce_kernel<T, HEAD_DIM>), dim3(a.num_seqs, a.num_heads), HEAD_DIM, stream)(
+      out, a.partial_ml, a.partial_acc, a.context_lens, a.max_blocks_per_seq * a.block_size, max_partitions(a),
+      a.partition_size);
 }
 
 // A block serves the largest of 8, 4, 2, 1 query heads that divides the GQA group. Groups of
 // 1, 2, 4 and 8 are served whole; a group of 6 takes 3 blocks of 2 heads, each reading the KV.
 template <typename T, int HEAD_DIM>
-const char* launch_for_group(const PagedAttentionArgs& a, cudaStream_t stream) {
+void launch_for_group(const PagedAttentionArgs& a, cudaStream_t stream) {
   const int group = a.num_heads / a.num_kv_heads;
   if (group % 8 == 0) return launch<T, HEAD_DIM, 8>(a, stream);
   if (group % 4 == 0) return launch<T, HEAD_DIM, 4>(a, stream);
@@ -292,28 +409,45 @@ const char* launch_for_group(const PagedAttentionArgs& a, cudaStream_t stream) {
 }
 
 template <typename T>
-const char* launch_for_head_dim(const PagedAttentionArgs& a, cudaStream_t stream) {
+void launch_for_head_dim(const PagedAttentionArgs& a, cudaStream_t stream) {
   switch (a.head_dim) {
     case 32: return launch_for_group<T, 32>(a, stream);
     case 64: return launch_for_group<T, 64>(a, stream);
     case 128: return launch_for_group<T, 128>(a, stream);
-    default: return "paged_attention: head_dim must be 32, 64 or 128";
   }
 }
 
-bool is_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlignment == 0; }
+int element_bytes(KvDtype dtype) { return dtype == KvDtype::kFloat32 ? 4 : 2; }
 
 const char* check_args(const PagedAttentionArgs& a) {
   if (a.num_seqs < 0 || a.num_heads <= 0 || a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads) {
     return "paged_attention: num_heads must be a positive multiple of num_kv_heads";
+  }
+  if (a.head_dim != 32 && a.head_dim != 64 && a.head_dim != 128) {
+    return "paged_attention: head_dim must be 32, 64 or 128";
+  }
+  if (a.dtype != KvDtype::kFloat32 && a.dtype != KvDtype::kFloat16 && a.dtype != KvDtype::kBFloat16) {
+    return "paged_attention: dtype must be float32, float16 or bfloat16";
   }
   const bool power_of_two = (a.block_size & (a.block_size - 1)) == 0;
   if (!power_of_two || a.block_size < kMinBlockSize || a.block_size > kMaxBlockSize) {
     return "paged_attention: block_size must be a power of two from 8 to 128";
   }
   if (a.max_blocks_per_seq < 1) return "paged_attention: block_tables needs at least one column";
-  if (!is_aligned(a.out) || !is_aligned(a.q) || !is_aligned(a.k_cache) || !is_aligned(a.v_cache)) {
-    return "paged_attention: out, q, k_cache and v_cache must start on a 16-byte boundary";
+  if (a.partition_size < 0 || a.partition_size % kTileTokens) {
+    return "paged_attention: partition_size must be 0 (single pass) or a positive multiple of 8";
+  }
+  if (a.partition_size > 0 && (a.partial_ml == nullptr || a.partial_acc == nullptr)) {
+    return "paged_attention: split-K needs the partial_ml and partial_acc buffers";
+  }
+  // The widest load is one lane's Vec: head_dim / 32 elements. Every row starts head_dim elements
+  // after the previous one, so an aligned base pointer aligns every row.
+  const uintptr_t alignment = uintptr_t(element_bytes(a.dtype)) * (a.head_dim / kWarpSize);
+  for (const void* p : {static_cast<const void*>(a.out), a.q, a.k_cache, a.v_cache}) {
+    if (reinterpret_cast<uintptr_t>(p) % alignment) {
+      return "paged_attention: out, q, k_cache and v_cache must start on a multiple of "
+             "(element size * head_dim / 32) bytes";
+    }
   }
   return nullptr;
 }
@@ -324,9 +458,10 @@ const char* paged_attention_launch(const PagedAttentionArgs& args, cudaStream_t 
   if (const char* error = check_args(args)) return error;
   if (args.num_seqs == 0) return nullptr;  // an empty batch: nothing to launch
   switch (args.dtype) {
-    case KvDtype::kFloat32: return launch_for_head_dim<float>(args, stream);
-    case KvDtype::kFloat16: return launch_for_head_dim<__half>(args, stream);
-    case KvDtype::kBFloat16: return launch_for_head_dim<__nv_bfloat16>(args, stream);
+    case KvDtype::kFloat32: launch_for_head_dim<float>(args, stream); break;
+    case KvDtype::kFloat16: launch_for_head_dim<__half>(args, stream); break;
+    case KvDtype::kBFloat16: launch_for_head_dim<__nv_bfloat16>(args, stream); break;
   }
-  return "paged_attention: dtype must be float32, float16 or bfloat16";
+  const cudaError_t error = cudaGetLastError();
+  return error == cudaSuccess ? nullptr : cudaGetErrorString(error);
 }

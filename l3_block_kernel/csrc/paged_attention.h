@@ -25,6 +25,7 @@ struct PagedAttentionArgs {
   const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]; entries past a sequence's
                                 // ceil(context_len / block_size) are padding and never read
   const int32_t* context_lens;  // [num_seqs], each in [1, max_blocks_per_seq * block_size]
+                                // (a length of 0 or less writes zeros; the host rejects it first)
   int num_seqs;
   int num_heads;
   int num_kv_heads;             // divides num_heads (GQA)
@@ -33,8 +34,16 @@ struct PagedAttentionArgs {
   int max_blocks_per_seq;
   float scale;                  // softmax scale, usually 1 / sqrt(head_dim)
   KvDtype dtype;                // of out, q, k_cache and v_cache alike
+  // Split-K: 0 runs the single-pass kernel; a positive multiple of 8 cuts every context into
+  // partitions of that many positions, and then the two float32 buffers below must hold
+  // num_seqs * num_heads * max_partitions * {2, head_dim} elements, with
+  // max_partitions = ceil(max_blocks_per_seq * block_size / partition_size).
+  int partition_size;
+  float* partial_ml;            // [num_seqs, num_heads, max_partitions, 2]: max (log2 units), sum
+  float* partial_acc;           // [num_seqs, num_heads, max_partitions, head_dim]
 };
 
 // Queues the kernel on `stream`. Returns nullptr on success, else a static one-line message
 // (an unsupported size, a misaligned pointer, or the CUDA launch error).
+// Pointers must be aligned to element size * head_dim / 32 bytes, the widest load a lane issues.
 const char* paged_attention_launch(const PagedAttentionArgs& args, cudaStream_t stream);

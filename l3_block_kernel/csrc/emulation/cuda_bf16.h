@@ -1,0 +1,3 @@
+// Stand-in for CUDA's cuda_bf16.h when paged_attention.cu is compiled for the CPU emulation.
+#pragma once
+#include "../cuda_emulation.h"

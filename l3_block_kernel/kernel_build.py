@@ -1,0 +1,186 @@
+"""Building csrc/paged_attention.cu two ways: for the GPU with nvcc, and for the CPU emulation.
+
+- `load_extension()`: torch's cpp_extension (nvcc + ninja) builds binding.cpp and the kernel for
+  the current GPU's architecture; the build directory is keyed by that architecture.
+- `load_emulation()`: the host C++ compiler builds the same kernel source against
+  csrc/cuda_emulation.h (no CUDA toolkit) into a shared library, cached under a directory keyed
+  by the sources' hash, and called through ctypes.
+
+Each build runs at most once per process: a failure is remembered and raised again, one line,
+without rebuilding (an engine would otherwise retry a minute-long build on every decode step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from l1_contiguous.errors import InputError
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+KERNEL_SOURCE = CSRC_DIR / "paged_attention.cu"  # plain CUDA, compiles with `nvcc -c` alone
+BINDING_SOURCE = CSRC_DIR / "binding.cpp"
+EMULATION_HEADER = CSRC_DIR / "cuda_emulation.h"
+EMULATION_BINDING = CSRC_DIR / "emulation_binding.cpp"
+EMULATION_SHIMS = CSRC_DIR / "emulation"  # cuda_runtime.h, cuda_fp16.h, cuda_bf16.h -> cuda_emulation.h
+EXTENSION_NAME = "l3_paged_attention"
+# -fno-strict-aliasing: the kernel reads rows through reinterpret_cast<Vec*>, fine for nvcc,
+# undefined for g++'s optimiser. -U_FORTIFY_SOURCE: the fibers switch stacks with _longjmp, which
+# the fortified longjmp refuses.
+EMULATION_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing",
+                   "-U_FORTIFY_SOURCE", "-Wall", "-Wno-unknown-pragmas")
+
+
+class BuildOnce:
+    """Calls `build` the first time, then returns its result, or raises its error again."""
+
+    def __init__(self, build):
+        self._build = build
+        self._result = None
+        self._error: InputError | None = None
+
+    def __call__(self):
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            try:
+                self._result = self._build()
+            except InputError as exc:
+                self._error = exc
+                raise
+        return self._result
+
+    def cache_clear(self) -> None:
+        self._result, self._error = None, None
+
+
+# ---------------------------------------------------------------- the CUDA extension
+
+
+def _nvcc_version() -> str | None:
+    """The CUDA release of the nvcc that cpp_extension will use ("12.8"), or None without one."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = str(Path(home) / "bin" / "nvcc") if home else shutil.which("nvcc")
+    if nvcc is None or not Path(nvcc).exists():
+        return None
+    found = re.search(r"release (\d+\.\d+)", subprocess.run([nvcc, "--version"], capture_output=True,
+                                                             text=True).stdout)
+    return found.group(1) if found else None
+
+
+def check_cuda_toolchain() -> None:
+    """One-line InputError unless torch has CUDA and nvcc's CUDA major version matches torch's."""
+    if torch.version.cuda is None:
+        raise InputError("the L3 CUDA extension needs a CUDA build of torch (this one is CPU-only); "
+                         "install one from https://pytorch.org/get-started/locally/")
+    nvcc = _nvcc_version()
+    if nvcc is None:
+        raise InputError(f"the L3 CUDA extension needs nvcc: install the CUDA {torch.version.cuda} toolkit "
+                         "and set CUDA_HOME to it")
+    if nvcc.split(".")[0] != torch.version.cuda.split(".")[0]:
+        raise InputError(f"nvcc is CUDA {nvcc} but torch was built with CUDA {torch.version.cuda}: install "
+                         f"the CUDA {torch.version.cuda.split('.')[0]}.x toolkit and point CUDA_HOME at it, "
+                         f"or a torch built for CUDA {nvcc.split('.')[0]}")
+    if shutil.which("ninja") is None:
+        raise InputError("torch's cpp_extension needs ninja: pip install ninja")
+
+
+def cuda_arch() -> str:
+    """The current GPU's compute capability as nvcc writes it, e.g. "90" for an H100."""
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}{minor}"
+
+
+def _build_extension():
+    from torch.utils import cpp_extension
+
+    check_cuda_toolchain()
+    arch = cuda_arch()
+    try:
+        # The name picks the build directory under TORCH_EXTENSIONS_DIR: one per architecture,
+        # so a shared cache never hands an sm_80 binary to an sm_90 GPU. An explicit -gencode
+        # also stops torch from adding flags for every architecture it knows.
+        # NOTE: -O3 without --use_fast_math: fast math would flush denormals and turn the final
+        # division into an approximation, and the kernel is memory-bound, so it would gain nothing.
+        return cpp_extension.load(name=f"{EXTENSION_NAME}_sm{arch}", sources=[str(BINDING_SOURCE), str(KERNEL_SOURCE)],
+                                  extra_cflags=["-O3"],
+                                  extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
+    except Exception as exc:  # a compiler error, most often
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InputError(f"cannot build the L3 CUDA extension for sm_{arch} ({first_line}); "
+                         "use backend='reference' or 'emulated' meanwhile") from exc
+
+
+load_extension = BuildOnce(_build_extension)
+load_extension.__doc__ = """Builds the CUDA extension on first use (a minute or so), then returns the module.
+
+torch keeps the build under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) and rebuilds
+only when a source changes, so a later process loads it in about a second."""
+
+
+# ---------------------------------------------------------------- the CPU emulation
+
+
+def host_compiler() -> str | None:
+    """$CXX, else g++, else clang++ (any of them must speak C++20)."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def emulation_sources() -> list[Path]:
+    return [KERNEL_SOURCE, CSRC_DIR / "paged_attention.h", EMULATION_HEADER, EMULATION_BINDING,
+            *sorted(EMULATION_SHIMS.glob("*.h"))]
+
+
+def emulation_cache_dir() -> Path:
+    """$L3_EMULATION_CACHE, else $XDG_CACHE_HOME/l3_block_kernel, else ~/.cache/l3_block_kernel."""
+    if os.environ.get("L3_EMULATION_CACHE"):
+        return Path(os.environ["L3_EMULATION_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "l3_block_kernel"
+
+
+def _build_emulation() -> ctypes.CDLL:
+    compiler = host_compiler()
+    if compiler is None:
+        raise InputError("backend='emulated' needs a C++20 compiler: install g++ or clang++ (or set CXX)")
+    digest = hashlib.sha256(" ".join((compiler, *EMULATION_FLAGS)).encode())
+    for path in emulation_sources():
+        digest.update(path.read_bytes())
+    library = emulation_cache_dir() / f"emulated-{digest.hexdigest()[:16]}" / "paged_attention_emulated.so"
+    if not library.exists():
+        _compile_emulation(compiler, library)
+    return _bind(ctypes.CDLL(str(library)))
+
+
+def _compile_emulation(compiler: str, library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a temporary name, then rename: two processes building at once never load half a file.
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        partial = Path(tmp) / library.name
+        command = [compiler, *EMULATION_FLAGS, f"-I{EMULATION_SHIMS}", f"-I{CSRC_DIR}",
+                   "-x", "c++", str(KERNEL_SOURCE), "-x", "c++", str(EMULATION_BINDING), "-o", str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            first = next((line for line in result.stderr.splitlines() if "error" in line), result.stderr.strip())
+            raise InputError(f"cannot build the CPU emulation of the L3 kernel with {compiler} "
+                             f"(it needs C++20): {first[:300]}")
+        os.replace(partial, library)
+
+
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    fn = library.l3_emulated_paged_attention
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = [ptr] * 6 + [i32] * 6 + [ctypes.c_float, i32, i32, ptr, ptr]
+    return library
+
+
+load_emulation = BuildOnce(_build_emulation)
+load_emulation.__doc__ = """Builds the kernel's CPU emulation on first use (~15 s), then returns the ctypes library."""
