@@ -6,10 +6,10 @@ from .block_table import build_block_tables
 from .meta import BlockForwardMeta, build_block_meta
 from .paged_attention import paged_attention, paged_attention_gather, paged_attention_reference
 from .pool import BlockKvPool
-from .runner import BlockTableRunner, default_backend, load_block_model
+from .runner import DECODE_BACKENDS, BlockTableRunner, check_backend_device, default_backend, load_block_model
 
 __all__ = [
     "BlockTableAttention", "build_block_tables", "BlockForwardMeta", "build_block_meta",
     "paged_attention", "paged_attention_gather", "paged_attention_reference", "BlockKvPool", "BlockTableRunner",
-    "default_backend", "load_block_model",
+    "DECODE_BACKENDS", "check_backend_device", "default_backend", "load_block_model",
 ]

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from l1_contiguous.errors import InputError
+
 from l2_paged import PagedRunner, load_paged_model
 
 from .attention import BlockTableAttention
@@ -16,8 +18,22 @@ def load_block_model(model_dir: str | Path, dtype=torch.float32, device="cpu"):
     return load_paged_model(model_dir, dtype, device, attention_cls=BlockTableAttention)
 
 
+# What a smoke script or an engine may ask for by name ("auto" is the library's own default).
+DECODE_BACKENDS = ("kernel", "emulated", "gather", "reference")
+
+
 def default_backend(device) -> str:
     return "kernel" if torch.device(device).type == "cuda" else "reference"
+
+
+def check_backend_device(backend: str, device) -> None:
+    """The kernel needs CUDA; its CPU emulation needs the CPU. Raises InputError saying which flag to change."""
+    kind = torch.device(device).type
+    if backend == "kernel" and kind != "cuda":
+        raise InputError("--backend kernel runs on CUDA only; add --device cuda, or use --backend emulated "
+                         "(the kernel's code on the CPU) or reference")
+    if backend == "emulated" and kind != "cpu":
+        raise InputError("--backend emulated runs the kernel's code on the CPU; drop --device cuda or use --backend kernel")
 
 
 class BlockTableRunner(PagedRunner):

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
 from l1_contiguous import InputError  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
+from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
 from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, POLICIES, WorkItem, engine_backend, load_engine_model, make_engine  # noqa: E402
 
 LESSON = "L5"
@@ -36,8 +37,9 @@ def add_options(parser):
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help="at most this many prompt tokens per step, all prefills together "
                              f"(default {DEFAULT_PREFILL_CHUNK}, the engine's)")
-    parser.add_argument("--backend", choices=["kernel", "gather", "reference"], default=None,
-                        help="decode attention (default: kernel on CUDA, gather on CPU; reference is L3's oracle)")
+    parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
+                        help="decode attention (default: kernel on CUDA, gather on CPU; reference is L3's oracle; "
+                             "emulated runs the kernel's code on the CPU, slowly)")
 
 
 def workload(args, setup) -> list[WorkItem]:
@@ -76,6 +78,7 @@ def run(args, setup) -> LessonRun:
     items = workload(args, setup)
     model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
     backend = args.backend or engine_backend(setup.device)
+    check_backend_device(backend, setup.device)
     engine = make_engine(model, pool_blocks(args, items), args.block_size, policy=args.policy,
                          preempt=args.preempt, prefill_chunk=args.prefill_chunk, backend=backend)
     requests = engine.run(items)

@@ -15,6 +15,7 @@ import l5_smoke  # noqa: E402
 from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
 from l1_contiguous import InputError  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
+from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
 from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, engine_backend, load_engine_model  # noqa: E402
 from l8_prefix import SampledWorkItem, make_prefix_engine  # noqa: E402
 
@@ -53,8 +54,9 @@ def add_options(parser):
                              f"(default {DEFAULT_PREFILL_CHUNK}, the engine's)")
     parser.add_argument("--preempt", choices=MODES, default="recompute",
                         help="how a request is preempted when the pool runs out (default: recompute)")
-    parser.add_argument("--backend", choices=["kernel", "gather", "reference"], default=None,
-                        help="decode attention (default: kernel on CUDA, gather on CPU; reference is L3's oracle)")
+    parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
+                        help="decode attention (default: kernel on CUDA, gather on CPU; reference is L3's oracle; "
+                             "emulated runs the kernel's code on the CPU, slowly)")
 
 
 def workload(args, setup) -> list[SampledWorkItem]:
@@ -99,6 +101,7 @@ def run(args, setup) -> LessonRun:
     num_blocks = pool_blocks(args, items)
     model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
     backend = args.backend or engine_backend(setup.device)
+    check_backend_device(backend, setup.device)
     engine = make_prefix_engine(model, num_blocks, args.block_size, prefix_sharing=args.prefix_sharing == "on",
                                 preempt=args.preempt, prefill_chunk=args.prefill_chunk, backend=backend)
     requests = engine.run(items)
