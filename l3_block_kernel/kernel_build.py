@@ -179,6 +179,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     fn = library.l3_emulated_paged_attention
     fn.restype = ctypes.c_char_p
     fn.argtypes = [ptr] * 6 + [i32] * 6 + [ctypes.c_float, i32, i32, ptr, ptr]
+    for name in ("l3_emulated_to_16bit", "l3_emulated_from_16bit"):
+        getattr(library, name).argtypes = [ptr, ptr, ctypes.c_int64, i32]
     return library
 
 

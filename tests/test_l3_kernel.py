@@ -466,3 +466,34 @@ def test_auto_runs_the_kernel_on_cuda_and_the_build_is_cached():
     tiny = tuple(t.cuda() for t in make_case([5], 16, head_dim=16))  # no kernel: auto takes the reference, warns
     with pytest.warns(UserWarning, match="head_dim 16 is not one of"):
         assert torch.equal(paged_attention(*tiny), paged_attention_reference(*tiny))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype, kind", [(torch.float16, 1), (torch.bfloat16, 2)])
+def test_emulated_16_bit_floats_round_like_torch(dtype, kind):
+    """The emulation's own conversions (no CUDA headers) against torch's round-to-nearest-even:
+    every 16-bit pattern back to float, and floats at and between the representable values,
+    ties, subnormals, overflow, ±inf and NaN."""
+    import ctypes
+    library = load_emulation()
+    patterns = torch.arange(2**16, dtype=torch.int32).to(torch.int16)
+    widened = torch.empty(2**16)
+    library.l3_emulated_from_16bit(ctypes.c_void_p(patterns.data_ptr()), ctypes.c_void_p(widened.data_ptr()),
+                                   ctypes.c_int64(2**16), kind)
+    expected = patterns.view(dtype).float()
+    assert torch.equal(widened.isnan(), expected.isnan())
+    assert torch.equal(widened.nan_to_num(0.0), expected.nan_to_num(0.0))
+    finite = expected[expected.isfinite()].unique()
+    between = (finite[1:] + finite[:-1]) / 2  # exact ties (float32 holds them), rounded to even
+    gen = torch.Generator().manual_seed(0)
+    samples = torch.cat([finite, between, between.nextafter(finite[1:]), between.nextafter(finite[:-1]),
+                         torch.randn(100_000, generator=gen) * 10.0 ** torch.randint(-9, 6, (100_000,), generator=gen),
+                         torch.tensor([1e6, -1e6, 65519.0, 65520.0, float("inf"), float("-inf"), 3e38, 1e-45])])
+    narrowed = torch.empty(len(samples), dtype=torch.int16)
+    library.l3_emulated_to_16bit(ctypes.c_void_p(samples.data_ptr()), ctypes.c_void_p(narrowed.data_ptr()),
+                                 ctypes.c_int64(len(samples)), kind)
+    assert torch.equal(narrowed.view(dtype).float(), samples.to(dtype).float())
+    nan = torch.full((1,), float("nan"))
+    library.l3_emulated_to_16bit(ctypes.c_void_p(nan.data_ptr()), ctypes.c_void_p(narrowed.data_ptr()),
+                                 ctypes.c_int64(1), kind)
+    assert narrowed[:1].view(dtype).isnan().all()

@@ -2,6 +2,9 @@
 // cuda_emulation.h, called from Python through ctypes with raw pointers of contiguous tensors.
 #include "paged_attention.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 extern "C" const char* l3_emulated_paged_attention(
     void* out, const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
     const int32_t* context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
@@ -26,4 +29,18 @@ extern "C" const char* l3_emulated_paged_attention(
   args.partial_ml = partial_ml;
   args.partial_acc = partial_acc;
   return paged_attention_launch(args, nullptr);
+}
+
+// The emulation's own float -> 16-bit conversions, for the tests to compare with torch's:
+// kind 1 is __half, 2 is __nv_bfloat16 (as KvDtype). Writes the 16-bit patterns.
+extern "C" void l3_emulated_to_16bit(const float* in, uint16_t* out, int64_t n, int kind) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = kind == 1 ? __float2half_rn(in[i]).bits : __float2bfloat16_rn(in[i]).bits;
+  }
+}
+
+extern "C" void l3_emulated_from_16bit(const uint16_t* in, float* out, int64_t n, int kind) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = kind == 1 ? __half2float(__half{in[i]}) : __bfloat162float(__nv_bfloat16{in[i]});
+  }
 }
