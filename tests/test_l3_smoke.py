@@ -38,3 +38,15 @@ def test_bad_input_exits_2(argv, fragment, capsys):
         pytest.skip("this machine has CUDA")
     status, _, err = run_script_json("l3_smoke", argv, capsys)
     assert status == 2 and fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_emulated_backend_runs_the_kernel_code_and_matches_hf(capsys):
+    """The whole model with decode attention on the kernel's own code (CPU emulation), two prompts."""
+    from l3_block_kernel.kernel_build import host_compiler
+    if host_compiler() is None:
+        pytest.skip("backend 'emulated' needs a C++20 compiler (g++ or clang++, or set CXX)")
+    status, report, _ = run_script_json(
+        "l3_smoke", ["--backend", "emulated", "--prompt-ids", "1,2,3", "--prompt-ids",
+                     ",".join(str(i) for i in range(20, 60)), "--max-new-tokens", "6"], capsys)
+    assert status == 0 and report["backend"] == "emulated" and report["match"] is True
+    assert all(r["ids"] == r["hf_ids"] for r in report["requests"])
