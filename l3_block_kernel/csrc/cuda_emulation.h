@@ -22,8 +22,13 @@
 // and no race detection (blocks never overlap in time).
 #pragma once
 
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700  // macOS hides its (deprecated, still working) ucontext calls without it
+#endif
 #include <setjmp.h>
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -32,7 +37,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <thread>
 #include <vector>
 
@@ -171,11 +175,37 @@ constexpr size_t kStackBytes = 64 * 1024;
 
 enum class Stop { kRunning, kShuffle, kBarrier, kDone };
 
+// A fiber's stack, with an inaccessible page below it: a kernel that overflows its stack (deep
+// recursion, a huge local array) stops with a segmentation fault instead of corrupting a neighbour.
+struct Stack {
+  char* base = nullptr;  // the guard page, then the usable bytes
+  size_t guard = 0;
+  size_t usable = 0;
+  Stack() = default;
+  Stack(const Stack&) = delete;
+  Stack& operator=(const Stack&) = delete;
+  Stack(Stack&& other) noexcept : base(other.base), guard(other.guard), usable(other.usable) { other.base = nullptr; }
+  ~Stack() {
+    if (base) munmap(base, guard + usable);
+  }
+  void allocate(size_t bytes) {
+    guard = size_t(sysconf(_SC_PAGESIZE));
+    usable = bytes;
+    void* p = mmap(nullptr, guard + usable, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANON, -1, 0);
+    if (p == MAP_FAILED) {
+      std::fprintf(stderr, "cuda_emulation: cannot map a fiber stack\n");
+      std::abort();
+    }
+    base = static_cast<char*>(p);
+    mprotect(base, guard, PROT_NONE);  // stacks grow down: the guard is the lowest page
+  }
+};
+
 struct Fiber {
   ucontext_t context;  // only to start the fiber on its own stack
   jmp_buf resume;      // where it stopped; _setjmp/_longjmp switch without a system call
   bool started = false;
-  std::unique_ptr<char[]> stack;
+  Stack stack;
   uint3 thread_idx;
   Stop stop = Stop::kRunning;
   int shuffle_parity = 0;
@@ -253,10 +283,10 @@ inline void BlockRunner::start_fibers(int threads, dim3 block_dim) {
   for (int t = 0; t < threads; ++t) {
     Fiber& f = fibers[t];
     if (!f.started || broken) {
-      if (!f.stack) f.stack.reset(new char[kStackBytes]);
+      if (!f.stack.base) f.stack.allocate(kStackBytes);
       getcontext(&f.context);
-      f.context.uc_stack.ss_sp = f.stack.get();
-      f.context.uc_stack.ss_size = kStackBytes;
+      f.context.uc_stack.ss_sp = f.stack.base + f.stack.guard;
+      f.context.uc_stack.ss_size = f.stack.usable;
       f.context.uc_link = nullptr;
       makecontext(&f.context, reinterpret_cast<void (*)()>(&fiber_main), 2, unsigned(self >> 32),
                   unsigned(self & 0xffffffffu));
