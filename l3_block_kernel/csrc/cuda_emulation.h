@@ -76,7 +76,8 @@ struct ThreadState {
   dim3 grid_dim;
 };
 inline thread_local ThreadState current;
-inline std::atomic<const char*> last_error{nullptr};
+inline std::atomic<const char*> last_error{nullptr};  // set by any host thread of a launch
+inline const char* last_message = "no error";         // what cudaGetErrorString reports
 
 inline void fail(const char* message) {
   const char* expected = nullptr;
@@ -91,10 +92,13 @@ inline void fail(const char* message) {
 #define gridDim (cuda_emulation::current.grid_dim)
 
 inline cudaError_t cudaGetLastError() {
-  return cuda_emulation::last_error.exchange(nullptr) ? cudaErrorLaunchFailure : cudaSuccess;
+  const char* message = cuda_emulation::last_error.exchange(nullptr);
+  if (message == nullptr) return cudaSuccess;
+  cuda_emulation::last_message = message;
+  return cudaErrorLaunchFailure;
 }
 inline const char* cudaGetErrorString(cudaError_t error) {
-  return error == cudaSuccess ? "no error" : "emulated launch failed: threads of a block disagree on a barrier";
+  return error == cudaSuccess ? "no error" : cuda_emulation::last_message;
 }
 
 // ---------------------------------------------------------------- 16-bit floats
