@@ -1,5 +1,6 @@
-# Two commands for a newcomer:  `make run` (set up, then every lesson's smoke script)
-#                               `make test` (set up, then the graded test suite)
+# A student:     make setup, then `source .venv/bin/activate` in each new shell.
+#                make run | make smoke-l2 | make check-l2 | make notebooks | make lab | make test
+# An instructor: make student-copy | make autograder
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,14 +8,28 @@ STAMP  := $(VENV)/.installed
 # torch 2.13.0 is the CPU build available offline here; a plain `pip install torch` would pull
 # several GB of CUDA wheels. An already-installed torch (e.g. a CUDA build) is used as it is.
 TORCH  ?= torch==2.13.0
+LESSONS := l1 l2 l3 l5 l8
 
-.PHONY: run test setup smoke bench student-copy clean
+.PHONY: run test setup bench student-copy autograder notebooks lab clean \
+	$(addprefix smoke-,$(LESSONS)) $(addprefix check-,$(LESSONS))
 
-run: setup
+run: setup          ## every lesson's smoke script: PASS lines
 	@for s in scripts/l*_smoke.py; do echo "== $$s"; $(PY) $$s || exit 1; done
 
-test: setup
+test: setup         ## the whole graded suite (notebooks included), score table per lesson
 	$(PY) -m pytest
+
+$(addprefix smoke-,$(LESSONS)): smoke-%: setup   ## one lesson's smoke script: make smoke-l2
+	$(PY) scripts/$*_smoke.py
+
+$(addprefix check-,$(LESSONS)): check-%: setup   ## one lesson's graded tests without its notebook
+	$(PY) -m pytest -m "$* and not notebook"
+
+notebooks: setup    ## every notebook run from top to bottom (also part of `make test`)
+	$(PY) -m pytest -m notebook
+
+lab: setup          ## JupyterLab on notebooks/, with this project's kernel
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks
 
 setup: $(STAMP)
 
@@ -32,8 +47,11 @@ bench: setup
 	$(PY) scripts/bench_l5.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l8.py --markdown docs/benchmarks.md
 
-student-copy: setup
+student-copy: setup  ## the repository without solutions, to hand out: student-copy/
 	$(PY) scripts/make_student_copy.py student-copy --force
 
+autograder: setup    ## the Gradescope autograder: autograder.zip (no solutions in it)
+	$(PY) scripts/make_autograder.py autograder.zip
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis student-copy
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis student-copy autograder.zip

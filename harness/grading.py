@@ -1,36 +1,63 @@
 """Autograder plugin for pytest (loaded by `-p harness.grading` in pyproject.toml).
 
-- `@pytest.mark.points(n)` gives a test its weight (1 when absent); a lesson marker (`l1`, `l2`,
-  ...) or `course` says which lesson it grades, so `pytest -m l2` runs one lesson.
-- At the end of a run a score table per lesson is printed.
-- `--results-json PATH` writes Gradescope's format: {"score", "tests": [{name, score, max_score, output}]}.
-- `--run-slow` runs the long soaks marked `slow` (CI runs their bounded versions only);
-  tests marked `gpu` are skipped when torch sees no CUDA device.
+- `@pytest.mark.points(n)` gives a test its weight. A test without it is worth 0: it still runs
+  (and can fail the run) but is not part of the grade. Only tests of what the student writes (the
+  code between `# BEGIN SOLUTION` and `# END SOLUTION`) carry points.
+- A lesson marker (`l1`, `l2`, ...) or `course` says which lesson a test belongs to, so
+  `pytest -m l2` runs one lesson; `notebook` marks the notebook runs, so `-m "l2 and not notebook"`
+  is a lesson's fast loop. At the end of a run a score table per lesson is printed.
+- `--graded-only` deselects the tests worth 0 points (what the autograder runs).
+- `--results-json PATH` writes Gradescope's format: {"score", "tests": [{name, score, max_score,
+  status, output, visibility, tags: [lesson]}]}. The output never holds ANSI colour codes. A test marked `hidden`,
+  or whose node id starts with a line of `--hidden-tests FILE`, gets visibility "after_published".
+- `--run-slow` runs the long soaks marked `slow` (CI runs their bounded versions only); tests
+  marked `gpu` are skipped when torch sees no CUDA device; tests marked `exercises` (self-checks,
+  never graded) run only when the `-m` expression names them: `pytest -m exercises`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
 LESSONS = ("course", "l1", "l2", "l3", "l5", "l8")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_MAX_OUTPUT = 4000  # characters of a failure kept in results.json
+
+
+def strip_ansi(text: str) -> str:
+    """`text` without terminal colour/cursor codes (IPython tracebacks carry them)."""
+    return _ANSI.sub("", text)
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("grading")
     group.addoption("--results-json", default=None, help="write Gradescope-style results to this path")
     group.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+    group.addoption("--graded-only", action="store_true", help="deselect the tests that carry no points")
+    group.addoption("--hidden-tests", default=None, metavar="FILE",
+                    help="node-id prefixes, one a line, whose results are hidden until grades are published")
 
 
 def pytest_collection_modifyitems(config, items):
     cuda = _cuda_available()
+    wants_exercises = "exercises" in (config.getoption("markexpr") or "")
+    if config.getoption("--graded-only"):
+        kept = [item for item in items if _points_of(item) > 0]
+        config.hook.pytest_deselected(items=[item for item in items if _points_of(item) == 0])
+        items[:] = kept
     for item in items:
         if "slow" in item.keywords and not config.getoption("--run-slow"):
             item.add_marker(pytest.mark.skip(reason="slow soak: run with --run-slow"))
         if "gpu" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)"))
+        if "exercises" in item.keywords and not wants_exercises:
+            item.add_marker(pytest.mark.skip(reason="an exercise self-check: run with -m exercises"))
 
 
 def _cuda_available() -> bool:
@@ -43,15 +70,15 @@ class _Scores:
     def __init__(self):
         self.rows: dict[str, dict] = {}
 
-    def record(self, item, report) -> None:
+    def record(self, item, report, hidden: bool) -> None:
         row = self.rows.setdefault(item.nodeid, {
             "name": item.nodeid, "lesson": _lesson_of(item), "max_score": _points_of(item),
-            "outcome": "passed", "output": ""})
+            "outcome": "passed", "output": "", "hidden": hidden})
         if report.skipped and row["outcome"] == "passed":
             row["outcome"] = "skipped"
         elif report.failed:
             row["outcome"] = "failed"
-            row["output"] = _short_failure(report)
+            row["output"] = _failure_text(report)
 
 
 _scores = _Scores()
@@ -65,7 +92,7 @@ def pytest_runtest_setup(item):
 def pytest_runtest_logreport(report):
     item = _items.get(report.nodeid)
     if item is not None:
-        _scores.record(item, report)
+        _scores.record(item, report, _is_hidden(item))
 
 
 def _lesson_of(item) -> str:
@@ -74,12 +101,31 @@ def _lesson_of(item) -> str:
 
 def _points_of(item) -> float:
     mark = item.get_closest_marker("points")
-    return float(mark.args[0]) if mark else 1.0
+    return float(mark.args[0]) if mark else 0.0
 
 
-def _short_failure(report) -> str:
+def _is_hidden(item) -> bool:
+    if item.get_closest_marker("hidden"):
+        return True
+    path = item.config.getoption("--hidden-tests")
+    return bool(path) and any(item.nodeid.startswith(p) for p in _hidden_prefixes(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _hidden_prefixes(path: str) -> tuple[str, ...]:
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    return tuple(line for line in lines if line and not line.startswith("#"))
+
+
+def _failure_text(report) -> str:
+    """The failure as pytest prints it, without ANSI codes; when long, its one-line message and
+    the end of the traceback (where the error is)."""
+    text = strip_ansi(str(report.longrepr))
+    if len(text) <= _MAX_OUTPUT:
+        return text
     crash = getattr(report.longrepr, "reprcrash", None)
-    return crash.message if crash is not None else str(report.longrepr)[-2000:]
+    head = strip_ansi(crash.message) if crash is not None else ""
+    return f"{head}\n...\n{text[-_MAX_OUTPUT:]}"
 
 
 def graded_rows() -> list[dict]:
@@ -115,6 +161,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 def _write_results(path: str, rows: list[dict], score: float) -> None:
     tests = [{"name": r["name"], "score": r["max_score"] if r["outcome"] == "passed" else 0.0,
-              "max_score": r["max_score"], "output": r["output"]} for r in rows]
+              "max_score": r["max_score"], "status": r["outcome"], "output": r["output"],
+              "visibility": "after_published" if r["hidden"] else "visible", "tags": [r["lesson"]]}
+             for r in rows]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump({"score": score, "tests": tests}, f, indent=2)

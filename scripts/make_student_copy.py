@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
 """Make a student copy of the repository: solution regions replaced by NotImplementedError stubs.
 
-    python scripts/make_student_copy.py OUT_DIR [--force]
+    python scripts/make_student_copy.py OUT_DIR [--force] [--keep L1,L2]
 
 Copies the files git knows (tracked, plus untracked ones that are not ignored; without git: the
-tree minus .git, .venv and __pycache__) into OUT_DIR. In every `.py` file of a lesson package, each
-region from a `# BEGIN SOLUTION` line to its `# END SOLUTION` line (both included) becomes one line
+tree minus .git, .venv and __pycache__) into OUT_DIR, leaving out what is for instructors only
+(`instructor/`, the course's own tests `tests/test_course_*.py`). In every `.py` file of a lesson
+package, each region from a `# BEGIN SOLUTION` line to its `# END SOLUTION` line (both included)
+becomes one line
 
-    raise NotImplementedError("L1: RMSNorm.forward — see lessons/L1-contiguous.md")
+    raise NotImplementedError("L2: reserve — see lessons/L2-paged.md §2.3")
 
 at the BEGIN line's indentation, naming the lesson (from the package), the enclosing function or
-`Class.method`, and the lesson text. Other files (notebooks, .cu/.cpp sources) are copied as they
-are. Unbalanced or nested fences stop the script with the file and line. The same tests then grade
-the student's work: `cd OUT_DIR && make test`, or `python -m pytest -m l1 --results-json results.json`.
+`Class.method`, the lesson text and the section that explains it (from the table of the lesson's
+"What you write" section). `--keep L1` leaves L1's regions in place (a copy in which the student
+finished L1). Other files (notebooks, .cu/.cpp sources) are copied as they are. Unbalanced or
+nested fences stop the script with the file and line. The same tests then grade the student's
+work: in OUT_DIR, `make setup`, `source .venv/bin/activate`, then `pytest -m l1`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LESSON_PACKAGES = {"l1_contiguous": "L1", "l2_paged": "L2", "l3_block_kernel": "L3",
                    "l5_eviction": "L5", "l8_prefix": "L8"}
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+INSTRUCTOR_ONLY = ("instructor/", "tests/test_course_")  # path prefixes left out of the copy
 _SCOPE = re.compile(r"^(\s*)(?:async\s+def|def|class)\s+(\w+)")
+# A row of a lesson's "What you write" table: | `Name.method` | `file.py` | §2.3 | ...
+_ROW = re.compile(r"^\|\s*`([\w.]+)`\s*\|.*?(§\d+(?:\.\d+)*)")
 
 
 class FenceError(ValueError):
@@ -44,11 +51,14 @@ class Stubbed:
     regions: int
 
 
-def strip_solutions(source: str, lesson: str, lesson_file: str, filename: str = "<source>") -> tuple[str, int]:
+def strip_solutions(source: str, lesson: str, lesson_file: str, filename: str = "<source>",
+                    sections: dict[str, str] | None = None) -> tuple[str, int]:
     """Replace each fenced region of `source` by a `raise NotImplementedError(...)` line.
 
-    Returns (new source, number of regions). Raises FenceError on a nested, unclosed or unopened
-    fence, naming `filename` and the 1-based line.
+    `sections` maps a function's name (`reserve`, `BlockAllocator.free`) to the lesson section
+    that explains it (`§2.3`), named in the message when known. Returns (new source, number of
+    regions). Raises FenceError on a nested, unclosed or unopened fence, naming `filename` and
+    the 1-based line.
     """
     lines = source.splitlines(keepends=True)
     out: list[str] = []
@@ -65,7 +75,8 @@ def strip_solutions(source: str, lesson: str, lesson_file: str, filename: str = 
                 raise FenceError(f"{filename}:{i + 1}: {END} without a {BEGIN} before it")
             indent = lines[open_at][: len(lines[open_at]) - len(lines[open_at].lstrip())]
             name = enclosing_name(lines, open_at) or Path(filename).stem
-            out.append(f'{indent}raise NotImplementedError("{lesson}: {name} — see {lesson_file}")\n')
+            where = f"{lesson_file} {sections[name]}" if name in (sections or {}) else lesson_file
+            out.append(f'{indent}raise NotImplementedError("{lesson}: {name} — see {where}")\n')
             open_at, regions = None, regions + 1
         elif open_at is None:
             out.append(line)
@@ -97,6 +108,20 @@ def lesson_file(root: Path, lesson: str) -> str:
     return found[0].relative_to(root).as_posix() if found else f"lessons/{lesson}-*.md"
 
 
+def lesson_sections(root: Path, lesson_path: str) -> dict[str, str]:
+    """Function name -> section, from the table of the lesson's "What you write" section."""
+    path = root / lesson_path
+    if not path.is_file():
+        return {}
+    sections, inside = {}, False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            inside = line[3:].strip().lower().startswith("what you write")
+        elif inside and (match := _ROW.match(line)):
+            sections[match.group(1)] = match.group(2)
+    return sections
+
+
 def repository_files(root: Path) -> list[str]:
     """Paths (relative, posix) of the files git knows, or of the tree when git is not there."""
     try:
@@ -110,16 +135,19 @@ def repository_files(root: Path) -> list[str]:
                       if p.is_file() and not skip & set(p.relative_to(root).parts))
 
 
-def make_student_copy(root: Path, out_dir: Path) -> list[Stubbed]:
-    """Copy `root` into `out_dir` (which must not exist) with solutions stripped; return what was stubbed."""
-    files = repository_files(root)
+def make_student_copy(root: Path, out_dir: Path, keep: frozenset[str] = frozenset()) -> list[Stubbed]:
+    """Copy `root` into `out_dir` (which must not exist) with solutions stripped, except those of
+    the lessons in `keep` ("L1", ...); return what was stubbed."""
+    files = [rel for rel in repository_files(root) if not rel.startswith(INSTRUCTOR_ONLY)]
     stubbed: list[Stubbed] = []
     planned: dict[str, str] = {}
     for rel in files:  # strip everything first, so a fence error leaves no half-made copy
         package = rel.split("/", 1)[0]
-        if package in LESSON_PACKAGES and rel.endswith(".py"):
+        if package in LESSON_PACKAGES and LESSON_PACKAGES[package] not in keep and rel.endswith(".py"):
             lesson = LESSON_PACKAGES[package]
-            text, n = strip_solutions((root / rel).read_text(encoding="utf-8"), lesson, lesson_file(root, lesson), rel)
+            text_file = lesson_file(root, lesson)
+            text, n = strip_solutions((root / rel).read_text(encoding="utf-8"), lesson, text_file, rel,
+                                      lesson_sections(root, text_file))
             if n:
                 try:
                     ast.parse(text, rel)
@@ -142,7 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="folder to create")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument("--keep", default="", metavar="L1,L2",
+                        help="lessons whose solutions stay in the copy (e.g. to check the grading)")
     args = parser.parse_args(argv)
+    keep = frozenset(x.strip().upper() for x in args.keep.split(",") if x.strip())
+    if unknown := keep - set(LESSON_PACKAGES.values()):
+        print(f"error: --keep names no lesson {', '.join(sorted(unknown))}; choose from "
+              f"{', '.join(LESSON_PACKAGES.values())}", file=sys.stderr)
+        return 2
     out_dir = Path(args.out_dir).resolve()
     if out_dir == REPO_ROOT or out_dir in REPO_ROOT.parents:
         print(f"error: {out_dir} holds the repository itself; choose another folder", file=sys.stderr)
@@ -153,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         shutil.rmtree(out_dir)
     try:
-        stubbed = make_student_copy(REPO_ROOT, out_dir)
+        stubbed = make_student_copy(REPO_ROOT, out_dir, keep)
     except FenceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -162,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stubbed {s.path}: {s.regions} region{'s' if s.regions != 1 else ''}")
     print(f"student copy in {out_dir}: {_count(out_dir)} files; {total} solution regions in "
           f"{len(stubbed)} files replaced by NotImplementedError")
-    print(f"grade it: cd {out_dir} && make test")
-    print("      or: python -m pytest -m l1 --results-json results.json")
+    print(f"grade it: cd {out_dir} && make test   (one lesson: make check-l1, or pytest -m l1)")
     return 0
 
 

@@ -28,7 +28,6 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
 
 
-@pytest.mark.points(1)
 def test_files_are_small_and_complete():
     names = {p.name for p in DEFAULT_MODEL.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -36,7 +35,6 @@ def test_files_are_small_and_complete():
     assert sum(p.stat().st_size for p in DEFAULT_MODEL.iterdir()) < 20 * 2**20
 
 
-@pytest.mark.points(1)
 def test_config_is_what_the_training_script_writes(tokenizer):
     script = load_script("train_tiny_model")
     written = script.build_model(tokenizer.eos_token_id).config.to_dict()
@@ -46,7 +44,6 @@ def test_config_is_what_the_training_script_writes(tokenizer):
     assert load_config(DEFAULT_MODEL).gqa_group_size == 2  # GQA, so the head mapping is exercised
 
 
-@pytest.mark.points(1)
 def test_our_loader_and_hf_agree_on_the_committed_weights(tokenizer):
     ids = tokenizer.encode("And God said, Let there be light: and there was light.")
     ours = Qwen3ForCausalLM.from_pretrained(DEFAULT_MODEL)
@@ -55,14 +52,12 @@ def test_our_loader_and_hf_agree_on_the_committed_weights(tokenizer):
     torch.testing.assert_close(torch.stack(gen.logits), ref, rtol=0, atol=1e-4)
 
 
-@pytest.mark.points(1)
 def test_tokenizer_loads_offline_and_round_trips(tokenizer):
     text = "In the beginning God created the heaven and the earth."
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert tokenizer.eos_token == "<|endoftext|>"
 
 
-@pytest.mark.points(2)
 @pytest.mark.parametrize("prompt", DEFAULT_PROMPTS)
 def test_default_continuations_are_words_not_loops(tokenizer, prompt):
     model = Qwen3ForCausalLM.from_pretrained(DEFAULT_MODEL)

@@ -57,7 +57,6 @@ def student_copy(tool, tmp_path_factory):
 
 # ---------------------------------------------------------------- the fence replacement itself
 
-@pytest.mark.points(1)
 def test_fence_becomes_one_raise_naming_lesson_and_method(tool):
     text, regions = tool.strip_solutions(SYNTHETIC, "L2", "lessons/L2-paged.md", "pool.py")
     assert regions == 2
@@ -75,7 +74,6 @@ def test_fence_becomes_one_raise_naming_lesson_and_method(tool):
         namespace["step"](1)
 
 
-@pytest.mark.points(1)
 @pytest.mark.parametrize("source,line,words", [
     ("def f():\n    # BEGIN SOLUTION\n    # BEGIN SOLUTION\n    pass\n    # END SOLUTION\n", 3, "inside"),
     ("def f():\n    # BEGIN SOLUTION\n    pass\n", 2, "never closed"),
@@ -88,7 +86,6 @@ def test_unbalanced_or_nested_fences_are_errors_naming_file_and_line(tool, sourc
 
 # ---------------------------------------------------------------- the copy of this repository
 
-@pytest.mark.points(1)
 def test_copy_has_no_fenced_region_left_and_compiles(student_copy):
     stubs = 0
     for package in ("l1_contiguous", "l2_paged", "l3_block_kernel", "l5_eviction", "l8_prefix"):
@@ -113,7 +110,6 @@ def _pytest(cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.points(2)
 def test_l1_tests_fail_in_the_copy_with_not_implemented(student_copy):
     run = _pytest(student_copy)
     out = run.stdout + run.stderr
@@ -123,7 +119,6 @@ def test_l1_tests_fail_in_the_copy_with_not_implemented(student_copy):
     assert all("NotImplementedError: L1:" in line for line in failed), "\n".join(failed)
 
 
-@pytest.mark.points(1)
 def test_the_original_passes_the_same_selection():
     run = _pytest(ROOT)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]

@@ -86,7 +86,6 @@ def test_attend_gqa_causal_matches_naive_loop(heads, kv_heads):
 
 # ---------------------------------------------------------------- config and weights
 
-@pytest.mark.points(1)
 def test_rope_theta_read_from_both_spellings(tmp_path, tiny_model_dir):
     raw = json.loads((tiny_model_dir / "config.json").read_text())
     raw.pop("rope_parameters", None)
@@ -97,14 +96,12 @@ def test_rope_theta_read_from_both_spellings(tmp_path, tiny_model_dir):
         assert load_config(tmp_path).rope_theta == theta
 
 
-@pytest.mark.points(1)
 def test_head_dim_comes_from_config_not_hidden_over_heads(make_model):
     d = make_model(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     cfg = load_config(d)
     assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_attention_heads
 
 
-@pytest.mark.points(1)
 def test_other_architecture_is_rejected(tmp_path, tiny_model_dir):
     raw = json.loads((tiny_model_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "model_type": "llama",
@@ -113,7 +110,6 @@ def test_other_architecture_is_rejected(tmp_path, tiny_model_dir):
         load_config(tmp_path)
 
 
-@pytest.mark.points(1)
 def test_missing_and_misshapen_tensors_are_named(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file, save_file
 
@@ -128,7 +124,6 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path, tiny_model_dir):
         Qwen3ForCausalLM.from_pretrained(tmp_path)
 
 
-@pytest.mark.points(1)
 def test_missing_folder_and_config_are_input_errors(tmp_path):
     with pytest.raises(InputError, match="does not exist"):
         load_config(tmp_path / "nope")
@@ -136,7 +131,6 @@ def test_missing_folder_and_config_are_input_errors(tmp_path):
         load_config(tmp_path)
 
 
-@pytest.mark.points(1)
 def test_tied_head_reuses_the_embedding(make_model):
     d = make_model(tie_word_embeddings=True)
     model = Qwen3ForCausalLM.from_pretrained(d)

@@ -48,7 +48,6 @@ BAD_INPUT = {
 }
 
 
-@pytest.mark.points(2)
 @pytest.mark.parametrize("case", BAD_INPUT)
 def test_bad_input_gives_one_line_and_exit_2(case, tmp_path, capsys):
     argv, fragment = BAD_INPUT[case]
@@ -61,13 +60,11 @@ def test_bad_input_gives_one_line_and_exit_2(case, tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1 and fragment in err and "Traceback" not in err
 
 
-@pytest.mark.points(1)
 def test_prompt_text_without_tokenizer_is_rejected(tiny_model_dir, capsys):
     status, _, err = run_script_json("l1_smoke", ["--model", str(tiny_model_dir), "--prompt", "hi"], capsys)
     assert status == 2 and "tokenizer" in err
 
 
-@pytest.mark.points(1)
 def test_cuda_without_cuda_is_rejected(capsys):
     import torch
 

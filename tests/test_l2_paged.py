@@ -120,7 +120,6 @@ def test_cur_len_after_prefill_is_t_not_t_plus_1(tiny_model_dir):
     assert [r.cur_len for r in reqs] == [6, 10]
 
 
-@pytest.mark.points(1)
 def test_an_off_by_one_cur_len_would_be_caught(tiny_model_dir, monkeypatch):
     runner = make_runner(tiny_model_dir)
     real = PagedRunner.forward_logits

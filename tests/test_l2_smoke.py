@@ -63,7 +63,6 @@ BAD_INPUT = {
 }
 
 
-@pytest.mark.points(2)
 @pytest.mark.parametrize("case", BAD_INPUT)
 def test_bad_input_gives_one_line_and_exit_2(case, tiny_model_dir, capsys):
     argv, fragment = BAD_INPUT[case]

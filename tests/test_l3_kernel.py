@@ -135,7 +135,6 @@ def test_unused_slots_never_reach_the_result(fill):
 # ---------------------------------------------------------------- the gather backend (CPU speed)
 
 
-@pytest.mark.points(2)
 @pytest.mark.parametrize("group", GQA_GROUPS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_gather_backend_matches_naive(block_size, group):
@@ -203,7 +202,6 @@ def _mutations():
     ]
 
 
-@pytest.mark.points(2)
 @pytest.mark.parametrize("name, mutate, message", _mutations(), ids=[m[0] for m in _mutations()])
 def test_bad_inputs_raise_one_line_value_errors(name, mutate, message):
     case = mutate(make_case([5, 17, 30], 16))
@@ -212,7 +210,6 @@ def test_bad_inputs_raise_one_line_value_errors(name, mutate, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.points(1)
 def test_backend_choice_is_checked():
     case = make_case([5], 16)
     with pytest.raises(ValueError, match="backend must be one of auto, kernel, emulated, gather, reference"):

@@ -15,7 +15,6 @@ from l3_block_kernel import (BlockKvPool, BlockTableRunner, build_block_meta, bu
 pytestmark = [pytest.mark.l3]
 
 
-@pytest.mark.points(1)
 def test_block_view_and_flat_view_are_the_same_memory(tiny_model_dir):
     cfg = load_config(tiny_model_dir)
     pool = BlockKvPool(cfg, num_blocks=5, block_size=4, dtype=torch.float32)
@@ -110,7 +109,6 @@ def test_decode_path_reads_the_pool_in_place_and_equals_the_gather_path(tiny_mod
     assert seen[0][0] is True and seen[1] == (False, decode_ptr, 4)  # decode got the block view itself
 
 
-@pytest.mark.points(1)
 def test_runner_defaults_to_reference_on_cpu(tiny_model_dir):
     model = load_block_model(tiny_model_dir)
     cfg = model.config

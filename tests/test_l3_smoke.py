@@ -27,7 +27,6 @@ def test_small_blocks_and_several_prompts(tiny_model_dir, capsys):
     assert status == 0 and report["block_size"] == 8 and len(report["requests"]) == 2
 
 
-@pytest.mark.points(1)
 @pytest.mark.parametrize("argv,fragment", [
     (["--backend", "kernel"], "CUDA"),
     (["--block-size", "0"], "--block-size"),

@@ -99,7 +99,6 @@ def outputs(engine) -> list[list[int]]:
 # ---------------------------------------------------------------- identical outputs under eviction
 
 
-@pytest.mark.points(1)
 def test_workload_has_no_near_ties(tiny_model_dir):
     m = hf.load_hf_model(str(tiny_model_dir))
     for item in WORKLOAD:
@@ -291,7 +290,6 @@ def test_score_policy_weights_change_the_victim(weights, expected):
     assert victim_id == expected
 
 
-@pytest.mark.points(1)
 def test_make_policy_names_and_score_defaults():
     assert make_policy("lru", 8) is lru_key and make_policy("priority", 8) is priority_key
     score = make_policy("score", 8)
@@ -466,7 +464,6 @@ def test_counters_and_timeline(mode, model):
     assert max(r.blocks_used for r in engine.timeline) == engine.alloc.num_blocks
 
 
-@pytest.mark.points(1)
 def test_engine_rejects_unknown_mode_and_policy(model):
     with pytest.raises(ValueError, match="recompute or swap"):
         make_engine(model, 8, BLOCK_SIZE, preempt="drop")
