@@ -61,18 +61,35 @@ def tool():
     return load_script("make_student_copy")
 
 
-def test_a_fresh_student_copy_scores_nothing_in_any_lesson(tool, tmp_path):
+# In `make test`: the notebooks are left out (they cost a minute here and grade the same fenced
+# code); the copy with L1 finished shows that L2..L8's stubs earn nothing, and L1's own tests on a
+# fresh copy that L1's stubs earn nothing. The slow variants grade everything.
+FAST = ("-m", "not notebook")
+
+
+def check_fresh_copy_scores_nothing(tool, tmp_path, *args):
     assert tool.main([str(tmp_path / "copy")]) == 0
-    tests = grade(tmp_path / "copy", tmp_path / "results.json")
-    assert {t["tags"][0] for t in tests} >= set(LESSONS), by_lesson(tests)
+    tests = grade(tmp_path / "copy", tmp_path / "results.json", *args)
+    assert tests, "no graded test ran"
     offenders = scored(tests, LESSONS)
     assert not offenders, ("tests earn points on a fresh student copy: they do not test the fenced "
                            "code (remove their points marker) or pass on a stub:\n" + "\n".join(offenders))
+    return tests
 
 
-def test_finishing_l1_earns_all_of_l1_and_nothing_else(tool, tmp_path):
+def test_a_fresh_student_copy_scores_nothing_in_l1(tool, tmp_path):
+    check_fresh_copy_scores_nothing(tool, tmp_path, "-m", "l1 and not notebook")
+
+
+@pytest.mark.slow
+def test_a_fresh_student_copy_scores_nothing_in_any_lesson(tool, tmp_path):
+    tests = check_fresh_copy_scores_nothing(tool, tmp_path)
+    assert {t["tags"][0] for t in tests} >= set(LESSONS), by_lesson(tests)
+
+
+def check_finishing_l1(tool, tmp_path, *args):
     assert tool.main([str(tmp_path / "copy"), "--keep", "L1"]) == 0
-    tests = grade(tmp_path / "copy", tmp_path / "results.json")
+    tests = grade(tmp_path / "copy", tmp_path / "results.json", *args)
     not_earned = missed(tests, ("l1",))
     assert not not_earned, "L1 tests fail in a copy where L1 is finished:\n" + "\n".join(not_earned)
     offenders = scored(tests, set(LESSONS) - {"l1"})
@@ -80,6 +97,16 @@ def test_finishing_l1_earns_all_of_l1_and_nothing_else(tool, tmp_path):
                            + "\n".join(offenders))
     scores = by_lesson(tests)
     assert scores["l1"][0] == scores["l1"][1] > 0, scores
+    assert set(scores) >= set(LESSONS), scores
+
+
+def test_finishing_l1_earns_all_of_l1_and_nothing_else(tool, tmp_path):
+    check_finishing_l1(tool, tmp_path, *FAST)
+
+
+@pytest.mark.slow
+def test_finishing_l1_earns_all_of_l1_and_nothing_else_notebooks_too(tool, tmp_path):
+    check_finishing_l1(tool, tmp_path)
 
 
 @pytest.mark.slow
