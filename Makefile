@@ -29,7 +29,7 @@ notebooks: setup    ## every notebook run from top to bottom (also part of `make
 	$(PY) -m pytest -m notebook
 
 lab: setup          ## JupyterLab on notebooks/, with this project's kernel
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 setup: $(STAMP)
 
