@@ -23,7 +23,7 @@ $(addprefix smoke-,$(LESSONS)): smoke-%: setup   ## one lesson's smoke script: m
 	$(PY) scripts/$*_smoke.py
 
 $(addprefix check-,$(LESSONS)): check-%: setup   ## one lesson's graded tests without its notebook
-	$(PY) -m pytest -m "$* and not notebook"
+	$(PY) -m pytest --graded-only -m "$* and not notebook"
 
 notebooks: setup    ## every notebook run from top to bottom (also part of `make test`)
 	$(PY) -m pytest -m notebook

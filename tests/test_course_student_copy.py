@@ -99,6 +99,7 @@ def test_copy_has_no_fenced_region_left_and_compiles(student_copy):
     for path in student_copy.rglob("*.py"):  # every Python file still parses
         compile(path.read_text(encoding="utf-8"), str(path), "exec")
     assert (student_copy / "pyproject.toml").is_file() and not (student_copy / ".git").exists()
+    assert not (student_copy / "instructor").exists()
 
 
 def _pytest(cwd: Path) -> subprocess.CompletedProcess:
@@ -122,3 +123,31 @@ def test_l1_tests_fail_in_the_copy_with_not_implemented(student_copy):
 def test_the_original_passes_the_same_selection():
     run = _pytest(ROOT)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+
+
+# ---------------------------------------------------------------- what the student is told
+
+def test_every_fenced_function_is_in_its_lessons_what_you_write_table(tool, student_copy):
+    """The stub names the section that explains it, read from the lesson's "What you write" table;
+    a fenced function missing from that table would get a stub without a section."""
+    stubs = re.compile(r'raise NotImplementedError\("(L\d): ([\w.]+) — see (lessons/\S+\.md)( §[\d.]+)?"\)')
+    found = []
+    for package in tool.LESSON_PACKAGES:
+        for path in sorted((student_copy / package).rglob("*.py")):
+            found += stubs.findall(path.read_text(encoding="utf-8"))
+    assert len(found) >= 20
+    unlisted = [f"{lesson}: {name} ({text})" for lesson, name, text, section in found if not section]
+    assert not unlisted, "add these to the lesson's 'What you write' table:\n" + "\n".join(unlisted)
+    for lesson, name, text, section in found:
+        assert f"`{name}`" in (ROOT / text).read_text(encoding="utf-8").split("## 1.")[0], (lesson, name)
+
+
+def test_instructor_files_are_left_out_and_keep_leaves_a_lesson_solved(tool, tmp_path):
+    assert (ROOT / "instructor" / "answers.md").is_file()
+    assert tool.main([str(tmp_path / "copy"), "--keep", "L1,l2"]) == 0
+    copy = tmp_path / "copy"
+    assert not (copy / "instructor").exists() and not list((copy / "tests").glob("test_course_*"))
+    assert "# BEGIN SOLUTION" in (copy / "l1_contiguous" / "model.py").read_text(encoding="utf-8")
+    assert "# BEGIN SOLUTION" in (copy / "l2_paged" / "request.py").read_text(encoding="utf-8")
+    assert "# BEGIN SOLUTION" not in (copy / "l3_block_kernel" / "block_table.py").read_text(encoding="utf-8")
+    assert tool.main([str(tmp_path / "other"), "--keep", "L4"]) == 2
