@@ -26,10 +26,13 @@ def test_notebook_executes_and_draws(path):
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}})
+    failure = None
     try:
         client.execute()
     except CellExecutionError as exc:  # IPython colours its tracebacks; a log or results.json should not
-        pytest.fail(f"{path.name}: a cell failed\n{strip_ansi(str(exc))}", pytrace=False)
+        failure = strip_ansi(str(exc))
+    if failure is not None:  # outside the except block, so pytest does not print the coloured original too
+        pytest.fail(f"{path.name}: a cell failed\n{failure}", pytrace=False)
     images = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
               if "image/png" in o.get("data", {})]
     assert images, f"{path.name} drew no picture"
