@@ -5,8 +5,8 @@
 
 Copies the files git knows (tracked, plus untracked ones that are not ignored; without git: the
 tree minus .git, .venv and __pycache__) into OUT_DIR, leaving out what is for instructors only
-(`instructor/`, the course's own tests `tests/test_course_*.py`). In every `.py` file of a lesson
-package, each region from a `# BEGIN SOLUTION` line to its `# END SOLUTION` line (both included)
+(`instructor/`, and the course's own tests: modules marked `course` as a whole). In every `.py`
+file of a lesson package, each region from a `# BEGIN SOLUTION` line to its `# END SOLUTION` line (both included)
 becomes one line
 
     raise NotImplementedError("L2: reserve — see lessons/L2-paged.md §2.3")
@@ -35,7 +35,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LESSON_PACKAGES = {"l1_contiguous": "L1", "l2_paged": "L2", "l3_block_kernel": "L3",
                    "l5_eviction": "L5", "l8_prefix": "L8"}
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
-INSTRUCTOR_ONLY = ("instructor/", "tests/test_course_")  # path prefixes left out of the copy
+INSTRUCTOR_ONLY = ("instructor/",)  # path prefixes left out of the copy
+# A test module marked `course` as a whole (the course's own checks: model files, the copy, the
+# lessons' quotes) is instructor-only too: in a copy it could only fail because of the stubs.
+_COURSE_MODULE = re.compile(r"^pytestmark\s*=.*\bmark\.course\b", re.M)
 _SCOPE = re.compile(r"^(\s*)(?:async\s+def|def|class)\s+(\w+)")
 # A row of a lesson's "What you write" table: | `Name.method` | `file.py` | §2.3 | ...
 _ROW = re.compile(r"^\|\s*`([\w.]+)`\s*\|.*?(§\d+(?:\.\d+)*)")
@@ -135,10 +138,17 @@ def repository_files(root: Path) -> list[str]:
                       if p.is_file() and not skip & set(p.relative_to(root).parts))
 
 
+def instructor_only(root: Path, rel: str) -> bool:
+    if rel.startswith(INSTRUCTOR_ONLY):
+        return True
+    return (rel.startswith("tests/test_") and rel.endswith(".py")
+            and bool(_COURSE_MODULE.search((root / rel).read_text(encoding="utf-8"))))
+
+
 def make_student_copy(root: Path, out_dir: Path, keep: frozenset[str] = frozenset()) -> list[Stubbed]:
     """Copy `root` into `out_dir` (which must not exist) with solutions stripped, except those of
     the lessons in `keep` ("L1", ...); return what was stubbed."""
-    files = [rel for rel in repository_files(root) if not rel.startswith(INSTRUCTOR_ONLY)]
+    files = [rel for rel in repository_files(root) if not instructor_only(root, rel)]
     stubbed: list[Stubbed] = []
     planned: dict[str, str] = {}
     for rel in files:  # strip everything first, so a fence error leaves no half-made copy

@@ -63,7 +63,7 @@ def run_bundle(root: Path, packages_from: Path, tmp_path: Path, selection: str |
 def test_the_bundle_holds_the_student_copy_and_no_solution(bundle):
     root, names = bundle
     assert {"setup.sh", "run_autograder", "hidden_tests.txt", "pyproject.toml", "harness/grading.py"} <= set(names)
-    assert not [n for n in names if n.startswith(("instructor/", "tests/test_course_"))]
+    assert not [n for n in names if n.startswith(("instructor/", "tests/test_course_", "tests/test_lessons_"))]
     for name in names:
         if name.startswith(PACKAGES) and name.endswith(".py"):
             text = (root / "source" / name).read_text(encoding="utf-8")

@@ -147,6 +147,7 @@ def test_instructor_files_are_left_out_and_keep_leaves_a_lesson_solved(tool, tmp
     assert tool.main([str(tmp_path / "copy"), "--keep", "L1,l2"]) == 0
     copy = tmp_path / "copy"
     assert not (copy / "instructor").exists() and not list((copy / "tests").glob("test_course_*"))
+    assert not list((copy / "tests").glob("test_lessons_*"))  # course-marked modules stay behind
     assert "# BEGIN SOLUTION" in (copy / "l1_contiguous" / "model.py").read_text(encoding="utf-8")
     assert "# BEGIN SOLUTION" in (copy / "l2_paged" / "request.py").read_text(encoding="utf-8")
     assert "# BEGIN SOLUTION" not in (copy / "l3_block_kernel" / "block_table.py").read_text(encoding="utf-8")
