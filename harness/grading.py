@@ -5,14 +5,14 @@
   code between `# BEGIN SOLUTION` and `# END SOLUTION`) carry points.
 - A lesson marker (`l1`, `l2`, ...) or `course` says which lesson a test belongs to, so
   `pytest -m l2` runs one lesson; `notebook` marks the notebook runs, so `-m "l2 and not notebook"`
-  is a lesson's fast loop. At the end of a run a score table per lesson is printed.
+  with `--graded-only` is a lesson's fast loop (`make check-l2`). At the end of a run a score table per lesson is printed.
 - `--graded-only` deselects the tests worth 0 points (what the autograder runs).
 - `--results-json PATH` writes Gradescope's format: {"score", "tests": [{name, score, max_score,
-  status, output, visibility, tags: [lesson]}]}. The output never holds ANSI colour codes. A test marked `hidden`,
-  or whose node id starts with a line of `--hidden-tests FILE`, gets visibility "after_published".
+  status, output, visibility, tags: [lesson]}]}. The output never holds ANSI colour codes. A test
+  marked `hidden`, or whose node id starts with a line of `--hidden-tests FILE`, gets visibility
+  "after_published".
 - `--run-slow` runs the long soaks marked `slow` (CI runs their bounded versions only); tests
-  marked `gpu` are skipped when torch sees no CUDA device; tests marked `exercises` (self-checks,
-  never graded) run only when the `-m` expression names them: `pytest -m exercises`.
+  marked `gpu` are skipped when torch sees no CUDA device.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     cuda = _cuda_available()
-    wants_exercises = "exercises" in (config.getoption("markexpr") or "")
     if config.getoption("--graded-only"):
         kept = [item for item in items if _points_of(item) > 0]
         config.hook.pytest_deselected(items=[item for item in items if _points_of(item) == 0])
@@ -56,8 +55,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="slow soak: run with --run-slow"))
         if "gpu" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)"))
-        if "exercises" in item.keywords and not wants_exercises:
-            item.add_marker(pytest.mark.skip(reason="an exercise self-check: run with -m exercises"))
 
 
 def _cuda_available() -> bool:
