@@ -244,15 +244,9 @@ def _compile(tmp_path, archs):
     assert "warning" not in result.stderr.lower(), result.stderr[-4000:]
 
 
-def test_kernel_compiles_for_sm80(tmp_path):
-    """A syntax or template error in the kernel cannot land. About 40 s on 2 busy cores (108 kernels)."""
-    _compile(tmp_path, ["80"])
-
-
-@pytest.mark.slow
 def test_kernel_compiles_for_every_supported_arch(tmp_path):
     """Turing (T4), Ampere (A100), Ada (L4, RTX 40xx), Hopper (H100): one nvcc call, its --threads 0
-    compiling the architectures side by side. Minutes on 2 busy cores, hence slow."""
+    compiling the architectures side by side. About 55 s on 2 idle cores (108 kernels per arch)."""
     _compile(tmp_path, ["75", "80", "89", "90"])
 
 
