@@ -2,13 +2,19 @@
 
     step():  arrivals ─► scheduler.schedule() ─► one forward: decodes, then prefill chunks
              ─► commit: advance cur_len, append tokens, finish and free ─► timeline record
-    A step that raises (e.g. inside a layer) is rolled back: cur_len and outputs stay as before
-    the step, blocks reserved for it are trimmed, and the next step simply runs it again.
+    A step is atomic: whatever interrupts it (an error in a layer, Ctrl-C while sampling, a failed
+    swap or copy), it is rolled back to the state before it and the exception re-raised, so the
+    next step simply runs it again. See `step` for the one exception: a victim preempted by the
+    interrupted step may have had its blocks overwritten, so it comes back preempted for recompute.
 """
 
 from __future__ import annotations
 
+import copy
+from collections import deque
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 from l2_paged import BlockAllocator
 from l3_block_kernel import BlockKvPool
@@ -16,7 +22,7 @@ from l3_block_kernel import BlockKvPool
 from .lifecycle import EngineRequest, State
 from .mixed import StepRunner
 from .policies import make_policy
-from .preempt import Preemptor, trim
+from .preempt import Preemptor
 from .scheduler import Scheduler
 
 
@@ -102,18 +108,26 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> StepRecord:
-        self._arrivals()
-        plan = self.scheduler.schedule(self.now)
-        before = {req.request_id: req.cur_len for req, _ in plan}
+        """One step, all or nothing: on any exception (KeyboardInterrupt too) the engine, scheduler,
+        allocator and requests go back to their state before the step, and the exception goes on.
+
+        The pool itself is not saved: the step writes K/V only past each request's cur_len or into
+        blocks it was handed, so what was cached stays valid, except the blocks of a request the
+        step preempted (they may have been handed on and overwritten): that request is preempted
+        for recompute after the rollback (its outputs are kept; only K/V is computed again).
+        """
+        saved = self._snapshot()
         try:
+            self._arrivals()
+            plan = self.scheduler.schedule(self.now)
             tokens = self._run(plan)
-        except Exception:
-            self._roll_back(plan, before)
+            self._commit(plan, tokens)
+            record = self._record(plan)
+            self.now += 1
+            return record
+        except BaseException:
+            self._roll_back(saved)
             raise
-        self._commit(plan, tokens)
-        record = self._record(plan)
-        self.now += 1
-        return record
 
     def _run(self, plan) -> dict[int, int]:
         """One forward for the whole plan, decodes first (see mixed.py); request id -> sampled token."""
@@ -128,10 +142,27 @@ class Engine:
         """Greedy. (L8 adds temperature sampling with a generator per request.)"""
         return logits.argmax(-1).tolist()
 
-    def _roll_back(self, plan, before: dict[int, int]) -> None:
-        for req, _ in plan:
-            req.cur_len = before[req.request_id]
-            trim(req, self.alloc)
+    # ------------------------------------------------------------------ rollback
+
+    def _stateful(self) -> list:
+        """Every object a step may change (the pool aside; see `step`)."""
+        live = [r for r in self.requests.values() if r.state is not State.FINISHED]
+        return [self, self.scheduler, self.alloc, self.preemptor, self.preemptor.counters, *live]
+
+    def _snapshot(self) -> list:
+        return [(obj, {k: _saved(v) for k, v in vars(obj).items()}) for obj in self._stateful()]
+
+    def _roll_back(self, saved: list) -> None:
+        preempted = [obj for obj, state in saved
+                     if isinstance(obj, EngineRequest) and obj.num_preemptions != state["num_preemptions"]]
+        for obj, state in saved:
+            vars(obj).clear()
+            vars(obj).update({k: _restored(v) for k, v in state.items()})
+        for req in preempted:  # back to before the step, then preempted without its (maybe reused) blocks
+            if req in self.scheduler.running:
+                self.scheduler.running.remove(req)
+                self.preemptor.drop_for_recompute(req)
+                self.scheduler.waiting.appendleft(req)
 
     def _commit(self, plan, tokens: dict[int, int]) -> None:
         for req, _ in plan:
@@ -185,6 +216,28 @@ class Engine:
                 "blocks_total": self.alloc.num_blocks, "blocks_peak_used": self.alloc.peak_used,
                 "blocks_free_at_end": self.alloc.num_free, "steps": self.now,
                 "swapped_copies_left": sum(r.swapped is not None for r in self.requests.values())}
+
+
+class _GeneratorState:
+    def __init__(self, generator: torch.Generator):
+        self.generator, self.state = generator, generator.get_state()
+
+
+def _saved(value):
+    """A copy deep enough to undo a step: containers one level down (they hold ids, blocks, requests
+    or immutable keys), a random generator's state, anything else by reference."""
+    if isinstance(value, (list, dict, set, deque)):
+        return copy.copy(value)
+    if isinstance(value, torch.Generator):
+        return _GeneratorState(value)
+    return value
+
+
+def _restored(value):
+    if isinstance(value, _GeneratorState):
+        value.generator.set_state(value.state)
+        return value.generator
+    return value
 
 
 def generated_ids(requests: dict[int, EngineRequest]) -> dict[int, list[int]]:

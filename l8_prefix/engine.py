@@ -225,6 +225,19 @@ class PrefixEngine(Engine):
             self._maybe_finish(child)
         parent.forks = []
 
+    # ------------------------------------------------------------------ rollback (see Engine.step)
+
+    def _stateful(self) -> list:
+        return [*super()._stateful(), self.prefix]
+
+    def _roll_back(self, saved: list) -> None:
+        """L5's rollback; then a cached block the step evicted (and may have overwritten) is forgotten."""
+        keys_now = dict(self.alloc.key_of)
+        super()._roll_back(saved)
+        for block, key in list(self.alloc.key_of.items()):
+            if keys_now.get(block) != key and self.alloc.ref_count[block] == 0:
+                self.alloc.forget(block)
+
     # ------------------------------------------------------------------ counters
 
     def _record(self, plan):

@@ -54,11 +54,15 @@ class PrefixBlockAllocator(BlockAllocator):
         # END SOLUTION
 
     def _evict_lru(self) -> None:
-        block, _ = self.cached_free.popitem(last=False)
+        self.forget(next(iter(self.cached_free)))
+        self.evicted_cached += 1
+
+    def forget(self, block: int) -> None:
+        """Turn a cached free block into a plain free one: its key (and K/V) is no longer found."""
+        del self.cached_free[block]
         del self.block_of[self.key_of.pop(block)]
         self._is_free[block] = True
         self.free_blocks.append(block)
-        self.evicted_cached += 1
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; at zero a keyed block stays cached, others are free."""
