@@ -11,6 +11,7 @@ import argparse
 import json
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -18,6 +19,7 @@ from typing import Callable
 import torch
 
 from l1_contiguous import InputError, load_config
+from l1_contiguous.errors import ModelLoadError
 from l1_contiguous.config import Qwen3Config
 
 from . import hf_reference as hf
@@ -69,7 +71,10 @@ class LessonRun:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of argparse's usage block
-        print(f"error: {message} (see --help)", file=sys.stderr)
+        hint = ""
+        if "expected one argument" in message and any(a.startswith("-") and a[1:2].isdigit() for a in sys.argv):
+            hint = "; a value starting with '-' needs '=', e.g. --prompt-ids=-1,2"
+        print(f"error: {message}{hint} (see --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
@@ -131,11 +136,17 @@ def _download(repo_id: str) -> Path:
 
 
 def load_tokenizer(model_dir: Path):
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+    if not any((model_dir / name).exists() or (model_dir / name).is_symlink()
+               for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # a broken tokenizer.json raises whatever its parser raises
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"the tokenizer in {model_dir} cannot be loaded ({reason}); fix or remove "
+                             f"tokenizer.json, or use --prompt-ids") from None
 
 
 def read_prompts(args, tokenizer, cfg: Qwen3Config) -> list[Prompt]:
@@ -188,10 +199,21 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
     try:
         setup = resolve(args)
         result = run(args, setup)
+        report = compare_with_hf(setup, result)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    report = compare_with_hf(setup, result)
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C) before the comparison finished; nothing was written", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError:
+        print("error: out of memory; lower --num-blocks / --kv-memory or use a smaller model", file=sys.stderr)
+        return 2
+    except Exception:  # a bug, not bad input: show where, and never exit 1 (= ids differ from HF)
+        traceback.print_exc()
+        print("internal error (a bug in the course code, not your input): please report the traceback above",
+              file=sys.stderr)
+        return 3
     print_report(lesson, setup, report, result.figures)
     if args.json:
         print(json.dumps({"lesson": lesson, "model": str(setup.model_dir), "device": setup.device,
@@ -201,7 +223,11 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
 
 
 def compare_with_hf(setup: Setup, result: LessonRun) -> dict:
-    model = hf.load_hf_model(str(setup.model_dir), setup.device, setup.dtype)
+    try:
+        model = hf.load_hf_model(str(setup.model_dir), setup.device, setup.dtype)
+    except Exception as exc:  # our loader read the folder; what HF still refuses is the folder's fault
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"transformers cannot load {setup.model_dir} ({reason})") from None
     rows = [_compare_one(model, setup, r) for r in result.requests]
     return {"match": all(r["match"] for r in rows), "requests": rows}
 

@@ -35,24 +35,30 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Qwen3Config":
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"config.json holds a {type(raw).__name__}, not an object of settings")
         _check_architecture(raw)
-        heads = raw["num_attention_heads"]
-        kv_heads = raw.get("num_key_value_heads") or heads
+        heads = _positive_int(raw, "num_attention_heads")
+        kv_heads = _positive_int(raw, "num_key_value_heads", heads)
+        hidden = _positive_int(raw, "hidden_size")
         if heads % kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        if raw.get("head_dim") is None and hidden % heads:
+            raise ModelLoadError(f"config.json has no head_dim and hidden_size={hidden} is not a multiple "
+                                 f"of num_attention_heads={heads}; add head_dim")
         return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
+            vocab_size=_positive_int(raw, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_positive_int(raw, "intermediate_size"),
+            num_hidden_layers=_positive_int(raw, "num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             # Qwen3 sets head_dim explicitly (128 for Qwen3-0.6B, where hidden/heads is 64).
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=_positive_int(raw, "head_dim", hidden // heads),
             rope_theta=_rope_theta(raw),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            rms_norm_eps=_positive_float(raw, "rms_norm_eps", 1e-6),
+            max_position_embeddings=_positive_int(raw, "max_position_embeddings", 32768),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
         )
@@ -64,18 +70,39 @@ def load_config(model_dir: str | Path) -> Qwen3Config:
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder {model_dir} does not exist; pass --model with an HF-format folder")
     path = model_dir / "config.json"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise ModelLoadError(f"{model_dir} has no config.json; an HF-format model folder needs one")
-    raw = json.loads(path.read_text())
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path} holds a {type(raw).__name__}, not an object of settings")
     gen_path = model_dir / "generation_config.json"
-    if gen_path.is_file():
-        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    if gen_path.exists() or gen_path.is_symlink():
+        gen = read_json(gen_path)
+        if not isinstance(gen, dict):
+            raise ModelLoadError(f"{gen_path} holds a {type(gen).__name__}, not an object of settings")
+        gen_eos = gen.get("eos_token_id")
         if gen_eos is not None:
             raw = {**raw, "eos_token_id": gen_eos}  # generate() stops on the generation config's ids
     return Qwen3Config.from_dict(raw)
 
 
+def read_json(path: Path):
+    """The parsed file, or a ModelLoadError that says why it cannot be read (one line)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} is a broken link or vanished; restore the file") from None
+    except IsADirectoryError:
+        raise ModelLoadError(f"{path} is a folder, not a file; put the JSON file there") from None
+    except PermissionError:
+        raise ModelLoadError(f"{path} cannot be read (permission denied); fix its permissions") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
+
+
 def _check_architecture(raw: dict) -> None:
+    if not isinstance(raw.get("rope_parameters") or {}, dict):
+        raise ModelLoadError("config.json: rope_parameters must be an object")
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
     if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
@@ -94,15 +121,34 @@ def _rope_theta(raw: dict) -> float:
     if "rope_theta" in params:
         if params.get("rope_type", "default") != "default":
             raise ModelLoadError(f"rope_type {params['rope_type']!r} is not supported; only default RoPE")
-        return float(params["rope_theta"])
+        return _positive_float(params, "rope_theta", 10000.0)
     if raw.get("rope_scaling"):
         raise ModelLoadError("rope_scaling is not supported; only default RoPE")
-    return float(raw.get("rope_theta", 10000.0))
+    return _positive_float(raw, "rope_theta", 10000.0)
+
+
+def _positive_int(raw: dict, key: str, default: int | None = None) -> int:
+    value = raw.get(key)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(raw: dict, key: str, default: float) -> float:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ModelLoadError(f"config.json: {key} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _as_id_tuple(value) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = [value] if not isinstance(value, list) else value
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelLoadError(f"eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(values)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from .config import Qwen3Config
+from .config import Qwen3Config, read_json
 from .errors import ModelLoadError
 
 
@@ -43,10 +42,7 @@ def load_weights(model_dir: str | Path, cfg: Qwen3Config, dtype: torch.dtype,
     files = _tensor_files(Path(model_dir))
     found: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name in wanted:
-                    found[name] = f.get_tensor(name)
+        found |= _read_tensors(file, wanted)
     missing = [n for n in wanted if n not in found]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -58,10 +54,26 @@ def load_weights(model_dir: str | Path, cfg: Qwen3Config, dtype: torch.dtype,
     return {n: t.to(device=device, dtype=dtype) for n, t in found.items()}
 
 
+def _read_tensors(file: Path, wanted: dict) -> dict[str, torch.Tensor]:
+    """The wanted tensors of one safetensors file; a ModelLoadError if the file cannot be read."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return {name: f.get_tensor(name) for name in f.keys() if name in wanted}
+    except PermissionError:
+        raise ModelLoadError(f"{file} cannot be read (permission denied); fix its permissions") from None
+    except Exception as exc:  # safetensors raises its own error types for a corrupt or cut file
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"{file} is not a readable safetensors file ({reason}); re-download it") from None
+
+
 def _tensor_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if index.exists() or index.is_symlink():
+        raw = read_json(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index} has no weight_map of tensor name -> shard file; fix or re-download it")
+        shard_names = sorted(set(weight_map.values()))
         missing = [s for s in shard_names if not (model_dir / s).is_file()]
         if missing:
             raise ModelLoadError(f"shard {missing[0]} listed in {index.name} is not in {model_dir}")

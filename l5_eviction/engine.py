@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from l1_contiguous import InputError
 from l2_paged import BlockAllocator
 from l3_block_kernel import BlockKvPool
 
@@ -246,7 +247,14 @@ def generated_ids(requests: dict[int, EngineRequest]) -> dict[int, list[int]]:
 
 def make_engine(model, num_blocks: int, block_size: int = 16, engine_cls: type[Engine] = Engine,
                 **kwargs) -> Engine:
-    """Pool, allocator (`engine_cls.allocator_cls`) and engine in one call."""
-    pool = BlockKvPool(model.config, num_blocks, block_size, model.dtype, model.device)
+    """Pool, allocator (`engine_cls.allocator_cls`) and engine in one call; InputError for a pool
+    that cannot exist (a size that is not a positive int, or more bytes than the device has)."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise InputError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    try:
+        pool = BlockKvPool(model.config, num_blocks, block_size, model.dtype, model.device)
+    except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+        raise InputError(f"cannot allocate a pool of {num_blocks:,} blocks of {block_size} tokens on "
+                         f"{model.device}; ask for fewer blocks") from None
     return engine_cls(model, pool, engine_cls.allocator_cls(num_blocks, block_size), **kwargs)
 

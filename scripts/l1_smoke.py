@@ -27,7 +27,7 @@ def run(args, setup) -> LessonRun:
     results, cache_bytes = [], 0
     for prompt in setup.prompts:
         need = len(prompt.ids) + setup.max_new_tokens
-        cache_len = args.cache_len or need
+        cache_len = need if args.cache_len is None else args.cache_len
         if cache_len < need:
             raise InputError(f"--cache-len {cache_len} is shorter than prompt ({len(prompt.ids)}) + "
                              f"--max-new-tokens ({setup.max_new_tokens}); raise --cache-len")
