@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
@@ -82,6 +83,8 @@ class Engine:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, item: WorkItem) -> EngineRequest:
+        """Queue one request; InputError (nothing queued) when the item cannot run on this model."""
+        self._check_item(item)
         req = self._new_request(item)
         if req.arrival_step <= self.now:
             self.scheduler.add(req)
@@ -96,7 +99,30 @@ class Engine:
                                 priority=item.priority, arrival_step=max(item.arrival_step, self.now),
                                 stop_token_ids=tuple(item.stop_token_ids))
 
+    def _check_item(self, item: WorkItem) -> None:
+        """Every id, type and length checked at the door, so a bad request never reaches a step.
+        (An empty prompt or max_new_tokens < 1 is the scheduler's `check`, which says why.)"""
+        who, cfg = f"request {len(self.requests)}", self.model.config
+        ids = item.prompt_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
+            raise InputError(f"{who}: prompt_ids must be a list of ints, got {_short(ids)}")
+        bad = next((i for i in [*ids, *item.stop_token_ids] if not 0 <= i < cfg.vocab_size), None)
+        if bad is not None or not all(_is_int(i) for i in item.stop_token_ids):
+            raise InputError(f"{who}: token id {bad!r} is outside the vocabulary 0..{cfg.vocab_size - 1}")
+        if not _is_int(item.max_new_tokens):
+            raise InputError(f"{who}: max_new_tokens must be an int, got {item.max_new_tokens!r}")
+        if len(ids) + item.max_new_tokens > cfg.max_position_embeddings:
+            raise InputError(f"{who}: {len(ids)} prompt + {item.max_new_tokens} new tokens exceed the model's "
+                             f"{cfg.max_position_embeddings} positions; shorten it")
+        if isinstance(item.priority, bool) or not isinstance(item.priority, (int, float)) \
+                or not math.isfinite(item.priority):
+            raise InputError(f"{who}: priority must be a finite number, got {item.priority!r}")
+        if not _is_int(item.arrival_step) or item.arrival_step < 0:
+            raise InputError(f"{who}: arrival_step must be an int >= 0, got {item.arrival_step!r}")
+
     def abort(self, request_id: int) -> None:
+        if request_id not in self.requests:
+            raise InputError(f"abort: no request has id {request_id!r} (ids are 0..{len(self.requests) - 1})")
         req = self.requests[request_id]
         if req.state is State.FINISHED:
             return
@@ -239,6 +265,15 @@ def _restored(value):
         value.generator.set_state(value.state)
         return value.generator
     return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def generated_ids(requests: dict[int, EngineRequest]) -> dict[int, list[int]]:

@@ -15,10 +15,12 @@ n > 1: the prompt is prefilled once; when its prefill completes, n - 1 forks sha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+from l1_contiguous import InputError
 from l2_paged import release
 from l5_eviction import Engine, EngineRequest, Scheduler, State, WorkItem, make_engine
 
@@ -162,6 +164,18 @@ class PrefixEngine(Engine):
             for k in range(1, n):
                 self._as_sample(super().add_request(item), first, k)
         return first
+
+    def _check_item(self, item: WorkItem) -> None:
+        super()._check_item(item)
+        who = f"request {len(self.requests)}"
+        n, temperature, seed = getattr(item, "n", 1), getattr(item, "temperature", 0.0), getattr(item, "seed", 0)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InputError(f"{who}: n (samples) must be an int >= 1, got {n!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not math.isfinite(temperature) or temperature < 0:
+            raise InputError(f"{who}: temperature must be a finite number >= 0, got {temperature!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise InputError(f"{who}: seed must be an int >= 0, got {seed!r}")
 
     def _new_request(self, item: WorkItem) -> PrefixRequest:
         req = super()._new_request(item)

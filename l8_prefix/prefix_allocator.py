@@ -68,8 +68,7 @@ class PrefixBlockAllocator(BlockAllocator):
         """Drop one reference to each block; at zero a keyed block stays cached, others are free."""
         # BEGIN SOLUTION
         for i, b in enumerate(blocks):  # validate everything first: a bad call changes nothing
-            if not (isinstance(b, int) and 0 <= b < self.num_blocks):
-                raise ValueError(f"block id {b!r} is not in this pool (0..{self.num_blocks - 1})")
+            self._check_id(b)
             if self.ref_count[b] - blocks[:i].count(b) <= 0:
                 raise ValueError(f"block {b} has no reference left to drop (double free)")
         # Tail first, so a request's last blocks queue up for eviction before its first ones: the
@@ -92,8 +91,17 @@ class PrefixBlockAllocator(BlockAllocator):
             hits.append(self.block_of[key])
         return hits
 
+    def _check_id(self, b) -> None:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
+            raise ValueError(f"block id {b!r} is not in this pool (0..{self.num_blocks - 1})")
+
     def acquire(self, blocks: list[int]) -> None:
-        """One more reference to each block (a cache hit, or a fork sharing its parent's blocks)."""
+        """One more reference to each block (a cache hit, or a fork sharing its parent's blocks).
+        Only a block in use or cached holds K/V worth sharing; a bad id changes nothing."""
+        for b in blocks:
+            self._check_id(b)
+            if self.ref_count[b] == 0 and b not in self.cached_free:
+                raise ValueError(f"block {b} is free: it holds no K/V to share (acquire a block in use or cached)")
         for b in blocks:
             if self.ref_count[b] == 0:
                 del self.cached_free[b]
@@ -102,6 +110,11 @@ class PrefixBlockAllocator(BlockAllocator):
 
     def register(self, block: int, key: bytes) -> None:
         """Key a full, computed block so later requests can find it. First writer wins."""
+        self._check_id(block)
+        if self.ref_count[block] == 0:
+            raise ValueError(f"block {block} is not in use: only a block a request holds can be keyed")
+        if not isinstance(key, bytes):
+            raise ValueError(f"a block key is bytes (see block_key), got {type(key).__name__}")
         if key not in self.block_of and block not in self.key_of:
             self.block_of[key] = block
             self.key_of[block] = key
@@ -114,5 +127,6 @@ class PrefixBlockAllocator(BlockAllocator):
         assert not (free & in_use or free & cached or cached & in_use), "a block is in two places"
         assert len(free) + len(cached) + len(in_use) == self.num_blocks, "a block is lost"
         assert all(b in self.key_of for b in cached), "a cached free block has no key"
+        assert not free & set(self.key_of), "a free block is registered under a key"
         assert all(self.block_of[k] == b for b, k in self.key_of.items()), "key maps disagree"
         assert all(c >= 0 for c in self.ref_count), "negative reference count"
