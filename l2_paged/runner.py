@@ -12,13 +12,17 @@ from pathlib import Path
 
 import torch
 
-from l1_contiguous import Qwen3ForCausalLM
+from l1_contiguous import InputError, Qwen3ForCausalLM
 
 from .allocator import BlockAllocator, OutOfBlocksError
 from .attention import PagedAttention
 from .meta import build_meta
 from .pool import KvPool
 from .request import Request, blocks_needed, release, reserve
+
+
+def _is_id(value, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 @dataclass
@@ -85,10 +89,25 @@ class PagedRunner:
 
     def generate(self, reqs: list[Request]) -> list[Request]:
         """Prefill all prompts in one forward, then decode everyone still running, together."""
+        self.check_requests(reqs)
         self.step(reqs, [len(r.prompt_ids) for r in reqs])
         while running := [r for r in reqs if not r.finished]:
             self.step(running, [1] * len(running))
         return reqs
+
+    def check_requests(self, reqs: list[Request]) -> None:
+        """InputError naming the request and the bad value, before any block is taken."""
+        cfg = self.model.config
+        for req in reqs:
+            who, ids, n = f"request {req.request_id}", req.prompt_ids, req.max_new_tokens
+            if not isinstance(ids, list) or not ids or not all(_is_id(i, cfg.vocab_size) for i in ids):
+                raise InputError(f"{who}: prompt_ids must be a non-empty list of token ids in "
+                                 f"0..{cfg.vocab_size - 1}, got {str(ids)[:60]}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise InputError(f"{who}: max_new_tokens must be an int >= 1, got {n!r}")
+            if len(ids) + n > cfg.max_position_embeddings:
+                raise InputError(f"{who}: {len(ids)} prompt + {n} new tokens exceed the model's "
+                                 f"{cfg.max_position_embeddings} positions")
 
     def _record(self, reqs: list[Request]) -> None:
         live = [r for r in reqs if not r.finished]

@@ -212,3 +212,33 @@ def test_check_sees_a_free_block_registered_under_a_key():
     alloc.block_of[b"stale"] = block
     with pytest.raises(AssertionError, match="free block is registered"):
         alloc.check()
+
+
+# ---------------------------------------------------------------- L2's generate
+
+L2_BAD = {  # name: Request fields
+    "empty prompt": dict(prompt_ids=[]),
+    "prompt id past the vocabulary": dict(prompt_ids=[1, VOCAB]),
+    "prompt id negative": dict(prompt_ids=[-4]),
+    "prompt id a bool": dict(prompt_ids=[False, 1]),
+    "prompt a tuple": dict(prompt_ids=(1, 2)),
+    "max_new_tokens 0": dict(prompt_ids=[1, 2], max_new_tokens=0),
+    "max_new_tokens a float": dict(prompt_ids=[1, 2], max_new_tokens=2.0),
+    "past the model's positions": dict(prompt_ids=[1, 2], max_new_tokens=10**6),
+}
+
+
+@pytest.mark.parametrize("name", list(L2_BAD))
+def test_l2_generate_refuses_before_taking_a_block(name, tiny_model_dir):
+    from l2_paged import KvPool, PagedRunner, Request, load_paged_model
+
+    model = load_paged_model(tiny_model_dir)
+    alloc = BlockAllocator(16, 4)
+    runner = PagedRunner(model, KvPool(model.config, 16, 4, model.dtype, model.device), alloc)
+    good = Request(list(GOOD.prompt_ids), GOOD.max_new_tokens, request_id=0)
+    with pytest.raises(InputError, match="request 1") as exc_info:
+        runner.generate([good, Request(**{"max_new_tokens": 3, **L2_BAD[name]}, request_id=1)])
+    one_line(exc_info)
+    assert alloc.num_free == 16 and good.cur_len == 0
+    runner.generate([good])
+    assert good.output_ids == hf_alone(tiny_model_dir, GOOD) and alloc.num_free == 16
