@@ -185,3 +185,20 @@ def test_the_real_exit_codes_in_a_subprocess():
                            env=env)
     assert crash.returncode == 3, crash.stderr[-2000:]
     assert "Traceback" in crash.stderr and "ZeroDivisionError: a bug" in crash.stderr
+
+
+def test_an_unreadable_file_is_reported_as_unreadable(tmp_path, monkeypatch, capsys):
+    """Root reads any file, so the permission error is raised the way the OS would raise it."""
+    folder = broken_copy(tmp_path, "config field negative")
+    _config(folder)
+    real = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self.name == "config.json" and self.parent == folder:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    status, err = run_in_process("l1_smoke", ["--model", str(folder)], capsys)
+    assert_one_line_error(status, err, "unreadable")
+    assert "permission denied" in err and "No such file" not in err
