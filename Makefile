@@ -22,8 +22,10 @@ test: setup         ## the whole graded suite (notebooks included), score table 
 $(addprefix smoke-,$(LESSONS)): smoke-%: setup   ## one lesson's smoke script: make smoke-l2
 	$(PY) scripts/$*_smoke.py
 
+# The fast loop: only the lesson's own test files are collected (tests/test_course_student_copy.py
+# checks they hold all of its graded tests), and COURSE_QUICK=1 shrinks soaks and random examples.
 $(addprefix check-,$(LESSONS)): check-%: setup   ## one lesson's graded tests without its notebook
-	$(PY) -m pytest --graded-only -m "$* and not notebook"
+	COURSE_QUICK=1 $(PY) -m pytest --graded-only -m "$* and not notebook" tests/test_$*_*.py
 
 notebooks: setup    ## every notebook run from top to bottom (also part of `make test`)
 	$(PY) -m pytest -m notebook

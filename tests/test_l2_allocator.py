@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.smoke import DEFAULT_MODEL
+from helpers import budget
 from harness.tiny_models import QWEN3_0_6B
 from l1_contiguous import InputError, Qwen3Config, load_config
 from l2_paged import (BlockAllocator, OutOfBlocksError, Request, build_meta, bytes_per_block,
@@ -110,7 +111,7 @@ OPS = st.lists(st.one_of(
 
 
 @pytest.mark.points(3)
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=budget(150, 40), deadline=None)
 @given(num_blocks=st.integers(1, 16), ops=OPS)
 def test_random_alloc_free_sequences_keep_every_invariant(allocator_cls, num_blocks, ops):
     """Runs against `--allocator-class MODULE:CLASS` when given (L2 exercise 3)."""

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from helpers import budget
 from l2_paged import blocks_needed
 from l5_eviction import MODES, POLICIES, RequestTooLargeError, State, WorkItem, load_engine_model, make_engine
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, quarter_pool
@@ -258,7 +259,7 @@ SOAK_OPTIONS = {  # every mode and policy, with and without chunks, watermarks 0
 @pytest.mark.parametrize("name", SOAK_OPTIONS)
 def test_soak_300_requests_on_a_tiny_pool(name, small_model):
     """300 requests on 8 blocks of 4 (a request needs up to 7): preempted over and over."""
-    items, aborts = soak_workload(300, seed=list(SOAK_OPTIONS).index(name))
+    items, aborts = soak_workload(budget(300, 40), seed=list(SOAK_OPTIONS).index(name))
     check_soak(small_model, items, aborts, SOAK_OPTIONS[name], check_every_step=True)
 
 
@@ -298,7 +299,7 @@ OPS = st.tuples(st.lists(ADD, min_size=2, max_size=6),
 
 
 @pytest.mark.points(4)
-@settings(max_examples=200, deadline=None, derandomize=True,
+@settings(max_examples=budget(200, 25), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=OPS, mode=st.sampled_from(MODES), policy=st.sampled_from(POLICIES),
        chunk=st.sampled_from([None, 2, 5]), watermark=st.integers(0, 2), num_blocks=st.integers(4, 6))

@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from helpers import budget
 from l1_contiguous.config import Qwen3Config
 from l2_paged import reserve
 from l5_eviction import State
@@ -154,7 +155,7 @@ def pool_size(setup, longest: int) -> int:
 
 
 @pytest.mark.points(4)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=budget(300, 40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=SETUP, plan=PLAN)
 def test_random_admit_step_abort_keep_invariants_fake_forward(setup, plan):
     longest = max(len(p) for p in PREFIXES) + 5 + 6
@@ -235,7 +236,7 @@ def watch_holds(engine) -> None:
 
 
 @pytest.mark.points(3)
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=budget(200, 30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setup=BURST_SETUP, plan=BURST_PLAN)
 def test_bursts_sharing_prefixes_keep_invariants_and_hold_boundedly_fake_forward(setup, plan):
     longest = max(len(p) for p in BURST_PREFIXES) + 5 + 5
