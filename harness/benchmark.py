@@ -377,3 +377,18 @@ def _now() -> str:
     import datetime
 
     return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+
+
+def parse_batch_tokens(spec: str, auto: list[int]) -> list[int]:
+    """--hf-batch-tokens: "auto" (the given candidates) or integers >= 1 separated by commas."""
+    from l1_contiguous import InputError
+
+    if spec == "auto":
+        return auto
+    try:
+        values = [int(v) for v in spec.split(",")]
+    except ValueError:
+        raise InputError(f"--hf-batch-tokens takes integers separated by commas or auto, got {spec!r}") from None
+    if min(values) < 1:
+        raise InputError("--hf-batch-tokens values must be at least 1")
+    return values

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (ServeRun, bench_command, bench_parser, hf_continuous_config, hf_generate, machine_line, markdown_table,  # noqa: E402
+from harness.benchmark import (parse_batch_tokens, ServeRun, bench_command, bench_parser, hf_continuous_config, hf_generate, machine_line, markdown_table,  # noqa: E402
                                print_table, replace_section, serve_engine, serve_hf_continuous, timed,
                                tokens_per_s)
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
@@ -352,15 +352,7 @@ def bench_06b(args, shape: Shape, s: Settings, hf_batch_tokens: int) -> dict:
 
 
 def batch_tokens(args) -> list[int]:
-    if args.hf_batch_tokens == "auto":
-        return [args.prefill_chunk + args.requests, 512, 1024]
-    try:
-        values = [int(v) for v in args.hf_batch_tokens.split(",")]
-    except ValueError:
-        raise InputError(f"--hf-batch-tokens takes integers separated by commas or auto, got {args.hf_batch_tokens!r}")
-    if min(values) < 1:
-        raise InputError("--hf-batch-tokens values must be at least 1")
-    return values
+    return parse_batch_tokens(args.hf_batch_tokens, [args.prefill_chunk + args.requests, 512, 1024])
 
 
 MD_COLUMNS = ["system", "pool %", "best s", "median s", "tok/s", "x base", "TTFT mean ms", "set-up s", "teardown s",

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (bench_command, bench_parser, hf_continuous_config, load_average,  # noqa: E402
+from harness.benchmark import (parse_batch_tokens, bench_command, bench_parser, hf_continuous_config, load_average,  # noqa: E402
                                machine_line, markdown_table, print_table, replace_section, serve_engine,
                                serve_hf_continuous)
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
@@ -103,15 +103,7 @@ def check(args, cfg) -> None:
 
 
 def batch_tokens(args, requests: int | None = None) -> list[int]:
-    if args.hf_batch_tokens == "auto":
-        return [DEFAULT_PREFILL_CHUNK + (requests or args.requests), 512, 1024]
-    try:
-        values = [int(v) for v in args.hf_batch_tokens.split(",")]
-    except ValueError:
-        raise InputError(f"--hf-batch-tokens takes integers separated by commas or auto, got {args.hf_batch_tokens!r}")
-    if min(values) < 1:
-        raise InputError("--hf-batch-tokens values must be at least 1")
-    return values
+    return parse_batch_tokens(args.hf_batch_tokens, [DEFAULT_PREFILL_CHUNK + (requests or args.requests), 512, 1024])
 
 
 def make_workload(requests: int, args, vocab_size: int) -> list[WorkItem]:
