@@ -279,6 +279,21 @@ __device__ __forceinline__ BlockPlace place_block(const int32_t* __restrict__ co
   return p;
 }
 
+// What both kernels share: the block's query rows, pre-scaled, against positions [begin, end) of
+// its sequence; leaves each warp's softmax state over its tiles in `state`.
+template <typename T, int HEAD_DIM, int HEADS, int ELEMS>
+__device__ __forceinline__ void attend_range(
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int32_t* __restrict__ block_tables, const BlockPlace& p, int max_blocks_per_seq, int num_kv_heads,
+    int block_size, float scale_log2, int begin, int end, SoftmaxState<HEADS, ELEMS>& state) {
+  const int lane = threadIdx.x % kWarpSize;
+  float q_reg[HEADS][ELEMS];
+  load_query<T>(q + p.first_row * HEAD_DIM + lane * ELEMS, HEAD_DIM, scale_log2, q_reg);
+  init_state(state);
+  attend_positions<T, HEAD_DIM>(q_reg, k_cache, v_cache, block_tables + int64_t(p.seq) * max_blocks_per_seq,
+                                p.kv_head, num_kv_heads, block_size, begin, end, state);
+}
+
 // Single pass: grid (num_seqs, num_heads / HEADS_PER_BLOCK); one block reads a sequence's whole
 // context for HEADS_PER_BLOCK query heads and writes their output rows.
 template <typename T, int HEAD_DIM, int HEADS_PER_BLOCK>
@@ -294,13 +309,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) pa
   constexpr int kElems = HEAD_DIM / kWarpSize;  // elements of a row that one lane owns
   const BlockPlace p = place_block(context_lens, HEADS_PER_BLOCK, num_heads, num_kv_heads,
                                    max_blocks_per_seq * block_size);
-  const int lane = threadIdx.x % kWarpSize;
-  float q_reg[HEADS_PER_BLOCK][kElems];
-  load_query<T>(q + p.first_row * HEAD_DIM + lane * kElems, HEAD_DIM, scale_log2, q_reg);
   SoftmaxState<HEADS_PER_BLOCK, kElems> state;
-  init_state(state);
-  attend_positions<T, HEAD_DIM>(q_reg, k_cache, v_cache, block_tables + int64_t(p.seq) * max_blocks_per_seq,
-                                p.kv_head, num_kv_heads, block_size, 0, p.context_len, state);
+  attend_range<T, HEAD_DIM>(q, k_cache, v_cache, block_tables, p, max_blocks_per_seq, num_kv_heads, block_size,
+                            scale_log2, 0, p.context_len, state);
   T* out_rows = out + p.first_row * HEAD_DIM;  // [HEADS_PER_BLOCK, HEAD_DIM]
   merge_warps<HEAD_DIM>(state, [&](int i, float /*m*/, float l, float o) {
     // l >= 1 when the block saw a position (the warp that holds the max adds exp2(0)); a length
@@ -327,13 +338,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) pa
   const int begin = blockIdx.z * partition_size;
   if (begin >= p.context_len) return;  // the whole block leaves before any barrier
   const int end = min(begin + partition_size, p.context_len);
-  const int lane = threadIdx.x % kWarpSize;
-  float q_reg[HEADS_PER_BLOCK][kElems];
-  load_query<T>(q + p.first_row * HEAD_DIM + lane * kElems, HEAD_DIM, scale_log2, q_reg);
   SoftmaxState<HEADS_PER_BLOCK, kElems> state;
-  init_state(state);
-  attend_positions<T, HEAD_DIM>(q_reg, k_cache, v_cache, block_tables + int64_t(p.seq) * max_blocks_per_seq,
-                                p.kv_head, num_kv_heads, block_size, begin, end, state);
+  attend_range<T, HEAD_DIM>(q, k_cache, v_cache, block_tables, p, max_blocks_per_seq, num_kv_heads, block_size,
+                            scale_log2, begin, end, state);
   const int max_partitions = gridDim.z;
   merge_warps<HEAD_DIM>(state, [&](int i, float m, float l, float o) {
     const int64_t part = (p.first_row + i / HEAD_DIM) * max_partitions + blockIdx.z;  // [seq, head, z]
