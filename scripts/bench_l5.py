@@ -344,7 +344,8 @@ def bench_06b(args, shape: Shape, s: Settings, hf_batch_tokens: int) -> dict:
     """The 0.6B shape, saved from a random init to a temporary folder (fp32, about 0.9 GB at 4 layers)."""
     with tempfile.TemporaryDirectory() as tmp:
         config = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
-        path = make_random_model(Path(tmp) / "qwen3-0.6b-shaped", num_hidden_layers=args.layers_06b, **config)
+        path = make_random_model(Path(tmp) / "qwen3-0.6b-shaped", hf_init=False,
+                                 num_hidden_layers=args.layers_06b, **config)
         label = f"Qwen3-0.6B-shaped random model, {args.layers_06b} of 28 layers"
         items = make_workload(shape, QWEN3_0_6B["vocab_size"], args.seed)
         return bench_model(label, path, items, replace(s, repeat=args.repeat_06b), [hf_batch_tokens],

@@ -274,7 +274,8 @@ def main(argv=None) -> int:
     if not args.skip_06b:
         with tempfile.TemporaryDirectory() as tmp:
             config = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
-            path = make_random_model(Path(tmp) / "qwen3-0.6b-shaped", num_hidden_layers=args.layers_06b, **config)
+            path = make_random_model(Path(tmp) / "qwen3-0.6b-shaped", hf_init=False,
+                                     num_hidden_layers=args.layers_06b, **config)
             label = f"Qwen3-0.6B-shaped random model, {args.layers_06b} of 28 layers"
             # HF's budget: what its sweep chose on the embedded model's burst (sweeping here costs minutes)
             results += bench_model(label, path, args, device, dtype, backend, args.requests_06b, args.repeat_06b,

@@ -241,11 +241,13 @@ def test_hf_comparison_notices_adjacent_pair_rope(tiny_model_dir, monkeypatch):
 @pytest.mark.points(2)
 def test_qwen3_0_6b_shapes_sharded_checkpoint_matches_hf(make_model):
     """Qwen3-0.6B's config (vocab 151936, head_dim 128 != 1024/16, tied) cut to 2 layers (1 in the
-    fast loop), sharded."""
-    d = make_model(shard_size="150MB", **{**QWEN3_0_6B, "num_hidden_layers": budget(2, 1)})
+    fast loop), stored sharded and in bfloat16 as the published checkpoint is, run in float32."""
+    d = make_model(shard_size="150MB", hf_init=False, dtype="bfloat16",
+                   **{**QWEN3_0_6B, "num_hidden_layers": budget(2, 1)})
     assert (d / "model.safetensors.index.json").is_file()
+    assert json.loads((d / "config.json").read_text())["dtype"] == "bfloat16"
     model = Qwen3ForCausalLM.from_pretrained(d)
-    assert model.config.head_dim == 128 and model.config.tie_word_embeddings
+    assert model.dtype == torch.float32 and model.config.head_dim == 128 and model.config.tie_word_embeddings
     prompt = random_prompt(9, model.config.vocab_size, seed=2)
     gen = greedy_generate(model, prompt, budget(6, 3))
     hf_model = hf.load_hf_model(str(d))
@@ -258,7 +260,7 @@ def test_qwen3_0_6b_shapes_sharded_checkpoint_matches_hf(make_model):
 @pytest.mark.slow
 @pytest.mark.points(1)
 def test_qwen3_0_6b_full_depth_matches_hf(make_model):
-    d = make_model(shard_size="1GB", **QWEN3_0_6B)
+    d = make_model(shard_size="1GB", hf_init=False, dtype="bfloat16", **QWEN3_0_6B)
     model = Qwen3ForCausalLM.from_pretrained(d)
     prompt = random_prompt(7, model.config.vocab_size, seed=4)
     assert greedy_generate(model, prompt, 4).new_ids == hf_ids(d, prompt, 4)
