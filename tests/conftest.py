@@ -3,6 +3,7 @@ and the allocator class the L2 allocator tests run against (`--allocator-class`)
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 
@@ -72,3 +73,11 @@ def one_torch_thread():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Python's shutdown garbage-collects every object still alive: once torch and transformers
+    are loaded, several hundred thousand of them, 1 to 2 s of every run. They are about to go
+    anyway; frozen, they are skipped (atexit handlers and weakref finalizers still run)."""
+    gc.freeze()
