@@ -211,8 +211,8 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
         return 2
     except Exception:  # a bug, not bad input: show where, and never exit 1 (= ids differ from HF)
         traceback.print_exc()
-        print("internal error (a bug in the course code, not your input): please report the traceback above",
-              file=sys.stderr)
+        print("internal error (a bug in the code, or in a student copy a function not written yet; not "
+              "your input): the traceback above ends where it happened", file=sys.stderr)
         return 3
     print_report(lesson, setup, report, result.figures)
     if args.json:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+
 from harness import hf_reference as hf
 
 # `make check-lN` sets COURSE_QUICK=1: the same graded tests, with smaller soaks and fewer random
@@ -41,7 +43,9 @@ def load_script(name: str):
 
 
 def run_script_json(name: str, argv: list[str], capsys) -> tuple[int, dict | None, str]:
-    """Run a smoke script in-process; returns (exit status, the JSON object or None, stderr)."""
+    """Run a smoke script in-process; returns (exit status, the JSON object or None, stderr). An
+    internal error (exit 3: a bug, or a function not written yet) fails the test with the end of
+    the script's traceback."""
     import json
 
     from harness.smoke import run_smoke
@@ -50,5 +54,9 @@ def run_script_json(name: str, argv: list[str], capsys) -> tuple[int, dict | Non
     status = run_smoke(module.LESSON, module.__doc__, module.run, getattr(module, "add_options", None),
                        argv=argv + ["--json"])
     out, err = capsys.readouterr()
+    if status == 3:  # an internal error, e.g. a function not written yet: show where, not `3 != 0`
+        tail = "\n".join(err.strip().splitlines()[-6:])
+        pytest.fail(f"scripts/{name}.py stopped on an internal error (exit 3); the end of its traceback:\n{tail}",
+                    pytrace=False)
     last = out.strip().splitlines()[-1] if out.strip() else ""
     return status, (json.loads(last) if last.startswith("{") else None), err
