@@ -31,7 +31,7 @@ notebooks: setup    ## every notebook run from top to bottom (also part of `make
 	$(PY) -m pytest -m notebook
 
 lab: setup          ## JupyterLab on notebooks/, with this project's kernel
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(PY) -m jupyterlab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
 	$(PY) -m pip install -e ".[dev]"
+	@# pip skips a tool the system already has, and then .venv/bin has no `pytest` (or `jupyter`):
+	@# the activated shell would run the system's, which cannot import this environment's torch.
+	test -x $(VENV)/bin/pytest || $(PY) -m pip install --ignore-installed "pytest>=8"
+	test -x $(VENV)/bin/jupyter-lab || $(PY) -m pip install --ignore-installed "jupyterlab>=4.2"
 	touch $(STAMP)
 
 # L1-L3 print their tables; L5 and L8 also rewrite their sections of docs/benchmarks.md, under a
