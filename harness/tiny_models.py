@@ -44,8 +44,9 @@ def make_random_model(out_dir: str | Path, seed: int = 0, init_std: float = 0.25
     loader that asks for float32 upcasts them exactly.
 
     hf_init=False skips transformers' init and draws every weight once: at Qwen3-0.6B's vocabulary
-    that is 3x faster (HF initialises the 151936 x 1024 head twice before tying it). The same seed
-    then gives other weights, so tests that picked prompts for this seed's logit gaps keep the default.
+    that is 3x faster (HF draws the 151936 x 1024 embedding once and the head tied to it twice more).
+    The same seed then gives other weights, so tests that picked prompts for this seed's logit gaps
+    keep the default.
     """
     from transformers import Qwen3ForCausalLM
 
