@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from helpers import budget
@@ -154,8 +154,19 @@ def pool_size(setup, longest: int) -> int:
     return -(-longest // bs) + 1 + setup["spare_blocks"]  # the largest request fits, with one to spare
 
 
+# Explicit examples run before the random ones: a bug they show fails at once, on a case small
+# enough to follow by hand, instead of after half a minute of shrinking a random one. Each has a
+# prefix hit, copy-on-write of a sampled prompt, a preemption, an abort and a cached block evicted
+# (the events `pytest --hypothesis-show-statistics` counts).
+EXAMPLE_SETUP = {"block_size": 2, "spare_blocks": 0, "sharing": True, "preempt": "swap", "prefill_chunk": None}
+EXAMPLE_PLAN = ([(2, [3], 2, 4, 0), (1, [], 1, 3, 0), (2, [5, 6], 1, 5, 2), (1, [4], 3, 2, 5), (0, [9, 9], 1, 6, 6)],
+                [(2, 0)])
+
+
 @pytest.mark.points(4)
 @settings(max_examples=budget(300, 40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(setup=EXAMPLE_SETUP, plan=EXAMPLE_PLAN)
+@example(setup={**EXAMPLE_SETUP, "preempt": "recompute"}, plan=EXAMPLE_PLAN)
 @given(setup=SETUP, plan=PLAN)
 def test_random_admit_step_abort_keep_invariants_fake_forward(setup, plan):
     longest = max(len(p) for p in PREFIXES) + 5 + 6
@@ -185,9 +196,14 @@ REAL_PLAN = st.tuples(st.lists(st.tuples(st.sampled_from(REAL_TAILS), st.just(No
                       st.lists(ABORT, max_size=2))
 
 
+REAL_EXAMPLE_PLAN = ([(0, None, 2, 4, 0), (3, None, 1, 5, 0), (5, None, 3, 3, 1), (1, None, 1, 5, 2)], [(2, 0)])
+
+
 @pytest.mark.points(3)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
+@example(setup=EXAMPLE_SETUP, plan=REAL_EXAMPLE_PLAN)
+@example(setup={**EXAMPLE_SETUP, "preempt": "recompute", "prefill_chunk": 8}, plan=REAL_EXAMPLE_PLAN)
 @given(setup=SETUP, plan=REAL_PLAN)
 def test_random_admit_step_abort_keep_invariants_real_engine(model, hf_ref, setup, plan):
     setup = {**setup, "block_size": 4}
@@ -235,8 +251,17 @@ def watch_holds(engine) -> None:
     scheduler.schedule = schedule
 
 
+# Two requests on the same prefix arrive together; with chunks of 8 one is held, with chunks of 3
+# (on the same pool) one is preempted.
+BURST_EXAMPLE_SETUP = {**EXAMPLE_SETUP, "prefill_chunk": 8, "max_prefix_hold": 8}
+BURST_EXAMPLE_PLAN = ([(0, [2], 1, 3, 0), (1, [], 2, 4, 0), (0, [7, 7], 1, 2, 0), (2, [1], 1, 5, 1),
+                       (1, [3, 3, 3], 1, 4, 4)], [(2, 3)])
+
+
 @pytest.mark.points(3)
 @settings(max_examples=budget(200, 30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(setup=BURST_EXAMPLE_SETUP, plan=BURST_EXAMPLE_PLAN)
+@example(setup={**BURST_EXAMPLE_SETUP, "prefill_chunk": 3}, plan=BURST_EXAMPLE_PLAN)
 @given(setup=BURST_SETUP, plan=BURST_PLAN)
 def test_bursts_sharing_prefixes_keep_invariants_and_hold_boundedly_fake_forward(setup, plan):
     longest = max(len(p) for p in BURST_PREFIXES) + 5 + 5
