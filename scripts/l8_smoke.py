@@ -92,7 +92,7 @@ def demand(items: list[SampledWorkItem], block_size: int) -> list[int]:
 def pool_blocks(args, items: list[SampledWorkItem]) -> int:
     need = demand(items, args.block_size)
     num_blocks = sum(need) if args.num_blocks is None else args.num_blocks
-    return l5_smoke.checked_pool(num_blocks, need, args.block_size)
+    return l5_smoke.checked_pool(num_blocks, items, args.block_size)
 
 
 def run(args, setup) -> LessonRun:
