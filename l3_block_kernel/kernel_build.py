@@ -154,12 +154,24 @@ def _build_emulation() -> ctypes.CDLL:
     for path in emulation_sources():
         digest.update(path.read_bytes())
     library = emulation_cache_dir() / f"emulated-{digest.hexdigest()[:16]}" / "paged_attention_emulated.so"
-    if not library.exists():
-        _compile_emulation(compiler, library)
+    if library.exists():
+        try:
+            return _bind(ctypes.CDLL(str(library)))
+        except (OSError, AttributeError):  # a cut or corrupt file (a full disk, a killed copy): rebuild it
+            pass
+    _compile_emulation(compiler, library)
     return _bind(ctypes.CDLL(str(library)))
 
 
 def _compile_emulation(compiler: str, library: Path) -> None:
+    try:
+        _compile_into(compiler, library)
+    except OSError as exc:  # the cache folder cannot be written: permissions, a full disk, read-only
+        raise InputError(f"cannot write the L3 emulation cache {library.parent} ({exc.strerror or exc}); "
+                         f"set L3_EMULATION_CACHE to a writable folder") from None
+
+
+def _compile_into(compiler: str, library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     # Compile to a temporary name, then rename: two processes building at once never load half a file.
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:

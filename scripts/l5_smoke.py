@@ -9,11 +9,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
-from l1_contiguous import InputError  # noqa: E402
-from l2_paged import blocks_needed, kv_positions_needed  # noqa: E402
-from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
-from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, POLICIES, WorkItem, engine_backend, load_engine_model, make_engine  # noqa: E402
+from harness.cli import starting  # noqa: E402
+
+with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
+    from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
+    from l1_contiguous import InputError  # noqa: E402
+    from l2_paged import blocks_needed, kv_positions_needed  # noqa: E402
+    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, POLICIES, WorkItem, engine_backend, load_engine_model, make_engine  # noqa: E402
+
 
 LESSON = "L5"
 WORKLOAD_PROMPTS = [
