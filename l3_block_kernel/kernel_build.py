@@ -146,14 +146,19 @@ def emulation_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "l3_block_kernel"
 
 
+def emulation_library(compiler: str) -> Path:
+    """Where the library built by `compiler` from the current sources is cached (keyed by their hash)."""
+    digest = hashlib.sha256(" ".join((compiler, *EMULATION_FLAGS)).encode())
+    for path in emulation_sources():
+        digest.update(path.read_bytes())
+    return emulation_cache_dir() / f"emulated-{digest.hexdigest()[:16]}" / "paged_attention_emulated.so"
+
+
 def _build_emulation() -> ctypes.CDLL:
     compiler = host_compiler()
     if compiler is None:
         raise InputError("backend='emulated' needs a C++20 compiler: install g++ or clang++ (or set CXX)")
-    digest = hashlib.sha256(" ".join((compiler, *EMULATION_FLAGS)).encode())
-    for path in emulation_sources():
-        digest.update(path.read_bytes())
-    library = emulation_cache_dir() / f"emulated-{digest.hexdigest()[:16]}" / "paged_attention_emulated.so"
+    library = emulation_library(compiler)
     if library.exists():
         try:
             return _bind(ctypes.CDLL(str(library)))
