@@ -38,7 +38,7 @@ DEFAULT_PROMPTS = [
     "Thus saith the LORD",
 ]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Seconds the hub may stay silent on one connection (not the whole download, which can be long).
+# Seconds the hub may stay silent on one request (not the whole download, which can be long).
 HUB_READ_TIMEOUT_S = 60.0
 # OSErrors that are the machine's state, not a bug: exit 2 with what to fix.
 ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOMEM}
@@ -146,23 +146,13 @@ def _download(repo_id: str) -> Path:
     try:
         import huggingface_hub
 
-        _hub_timeout(huggingface_hub)
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt"]))
+        # snapshot_download asks for the repository's file list with no timeout: ask first with one.
+        huggingface_hub.model_info(repo_id, timeout=HUB_READ_TIMEOUT_S)
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt"],
+                                                      etag_timeout=HUB_READ_TIMEOUT_S))
     except Exception as exc:  # offline, unknown id, no permission, silent server: all mean "use a local folder"
         raise InputError(f"could not fetch {repo_id} from the hub ({type(exc).__name__}); "
                          f"pass --model with a local folder") from None
-
-
-def _hub_timeout(huggingface_hub) -> None:
-    """The hub client waits forever by default: give each connection HUB_READ_TIMEOUT_S instead."""
-    from huggingface_hub.utils import _http  # its default client, which we keep, adding the timeout
-
-    def client():
-        session = _http.default_client_factory()
-        session.timeout = HUB_READ_TIMEOUT_S
-        return session
-
-    huggingface_hub.set_client_factory(client)
 
 
 def load_tokenizer(model_dir: Path):
