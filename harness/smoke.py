@@ -39,7 +39,7 @@ DEFAULT_PROMPTS = [
 ]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Seconds the hub may stay silent on one request (not the whole download, which can be long).
-HUB_READ_TIMEOUT_S = 60.0
+HUB_READ_TIMEOUT_S = 20.0
 # OSErrors that are the machine's state, not a bug: exit 2 with what to fix.
 ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOMEM}
 
