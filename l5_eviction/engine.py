@@ -202,7 +202,10 @@ class Engine:
         try:
             yield
         except BaseException:
-            self._pending_rollback = _PendingRollback(saved, self._failure_marks())
+            # Taken before anything is restored, so that a repeated rollback still knows them.
+            victims = [obj for obj, state in saved
+                       if isinstance(obj, EngineRequest) and obj.num_preemptions != state["num_preemptions"]]
+            self._pending_rollback = _PendingRollback(saved, victims, self._failure_marks())
             self._finish_rollback()
             raise
 
@@ -210,7 +213,7 @@ class Engine:
         """Complete a rollback, if one is pending. Safe to repeat: it restores from copies."""
         pending = self._pending_rollback
         if pending is not None:
-            self._roll_back(pending.saved, pending.marks)
+            self._roll_back(pending.saved, pending.victims, pending.marks)
             self._pending_rollback = None
 
     def _failure_marks(self):
@@ -221,15 +224,14 @@ class Engine:
         return [(obj, {k: _saved(v) for k, v in vars(obj).items() if k != "_pending_rollback"})
                 for obj in (self._stateful() if objects is None else objects)]
 
-    def _roll_back(self, saved: list, marks=None) -> None:
-        preempted = [obj for obj, state in saved
-                     if isinstance(obj, EngineRequest) and obj.num_preemptions != state["num_preemptions"]]
+    def _roll_back(self, saved: list, victims: list[EngineRequest], marks=None) -> None:
+        """Restore `saved`; then each victim the failed step preempted is preempted for recompute."""
         for obj, state in saved:
             current = vars(obj)
             current.update({k: _restored(v) for k, v in state.items()})
             for key in [k for k in current if k not in state and k != "_pending_rollback"]:
                 del current[key]
-        for req in preempted:  # back to before the step, then preempted without its (maybe reused) blocks
+        for req in victims:  # back to before the step, then preempted without its (maybe reused) blocks
             if req in self.scheduler.running:
                 self.scheduler.running.remove(req)
                 self.preemptor.drop_for_recompute(req)
@@ -305,8 +307,8 @@ class Engine:
 class _PendingRollback:
     """A step's (or call's) saved state, kept until its rollback has completed."""
 
-    def __init__(self, saved: list, marks):
-        self.saved, self.marks = saved, marks
+    def __init__(self, saved: list, victims: list[EngineRequest], marks):
+        self.saved, self.victims, self.marks = saved, victims, marks
 
 
 class _GeneratorState:

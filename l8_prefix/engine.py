@@ -278,12 +278,11 @@ class PrefixEngine(Engine):
     def _failure_marks(self) -> dict[int, bytes]:
         return dict(self.alloc.key_of)  # the keys when the step failed, before any rollback
 
-    def _roll_back(self, saved: list, keys_at_failure: dict[int, bytes] | None = None) -> None:
+    def _roll_back(self, saved: list, victims: list, keys_at_failure: dict[int, bytes]) -> None:
         """L5's rollback; then a cached block the step evicted (and may have overwritten) is forgotten."""
-        keys_now = dict(self.alloc.key_of) if keys_at_failure is None else keys_at_failure
-        super()._roll_back(saved)
+        super()._roll_back(saved, victims)
         for block, key in list(self.alloc.key_of.items()):
-            if keys_now.get(block) != key and self.alloc.ref_count[block] == 0:
+            if keys_at_failure.get(block) != key and self.alloc.ref_count[block] == 0:
                 self.alloc.forget(block)
 
     # ------------------------------------------------------------------ counters

@@ -279,20 +279,23 @@ def _preempting_workload(n: int = 6) -> list[WorkItem]:
                          ids=["l5", "l8"])
 def test_a_second_interrupt_during_the_rollback_is_finished_by_the_next_step(make, invariants, model,
                                                                               tiny_model_dir, monkeypatch):
-    """Ctrl-C in a forward after the step preempted someone; a second Ctrl-C while the rollback
-    puts the victim back. The next step must finish that rollback first: nobody is lost."""
+    """Ctrl-C right after the forward of a step that preempted someone; a second Ctrl-C while the
+    rollback puts the victim back. The next step must finish that rollback first: nobody is lost."""
     items = _preempting_workload()
     engine = make(model, quarter_pool(items), 4)
     for w in items:
         engine.add_request(w)
     real_forward, real_drop = engine.runner.forward_logits, engine.preemptor.drop_for_recompute
-    fired = {"forward": False, "rollback": False}
+    fired, victims = {"forward": False, "rollback": False}, []
 
-    def forward_logits(reqs, num_new):
-        if not fired["forward"] and engine.preemptor._events:  # this step preempted a victim
+    def forward_logits(reqs, num_new):  # after the forward: the victim's old blocks may be overwritten
+        preempted_now = list(engine.preemptor._events)  # victims of this step
+        logits = real_forward(reqs, num_new)
+        if not fired["forward"] and preempted_now:
             fired["forward"] = True
+            victims.extend(preempted_now)
             raise KeyboardInterrupt
-        return real_forward(reqs, num_new)
+        return logits
 
     def drop_for_recompute(req):
         if fired["forward"] and not fired["rollback"]:
@@ -308,7 +311,13 @@ def test_a_second_interrupt_during_the_rollback_is_finished_by_the_next_step(mak
             engine.step()
         except KeyboardInterrupt:
             pass
-    engine.step()  # finishes the rollback, then runs a normal step
+    engine._finish_rollback()  # what the next step (or add_request, abort) does first
+    for i in victims:  # preempted for recompute: the blocks they held may hold others' K/V now
+        victim = engine.requests[i]
+        assert victim.state is State.WAITING and victim.cur_len == 0 and not victim.blocks, i
+        assert victim in engine.scheduler.waiting
+    invariants(engine)
+    engine.step()
     invariants(engine)
     engine.run(max_steps=500)
     for req, w in zip(engine.requests.values(), items):
