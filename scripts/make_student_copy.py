@@ -17,6 +17,9 @@ at the BEGIN line's indentation, naming the lesson (from the package), the enclo
 finished L1). Other files (notebooks, .cu/.cpp sources) are copied as they are. Unbalanced or
 nested fences stop the script with the file and line. The same tests then grade the student's
 work: in OUT_DIR, `make setup`, `source .venv/bin/activate`, then `pytest -m l1`.
+
+OUT_DIR may not be the repository, hold it, or lie inside it (unless git ignores it, as
+student-copy/); `--force` replaces only a folder this script made (it leaves `.student-copy` in it).
 """
 
 from __future__ import annotations
