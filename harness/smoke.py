@@ -132,7 +132,8 @@ def resolve_model_dir(arg: str) -> Path:
         raise InputError(f"--model {arg} is a file; pass the folder that holds config.json and the weights")
     if looks_like_hub_id(arg):
         return _download(arg)
-    raise InputError(f"no such folder: {arg}; pass --model with an HF-format folder (or a hub id, org/name)")
+    raise InputError(f"no such folder: {arg} does not exist; pass --model with an HF-format folder "
+                     f"(or a hub id, org/name)")
 
 
 def looks_like_hub_id(arg: str) -> bool:
