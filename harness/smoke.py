@@ -2,13 +2,17 @@
 
 A lesson's `scripts/lN_smoke.py` adds its own options and a run function; this module parses the
 common options, checks the input, runs the lesson, runs HF greedy on each request alone, and
-prints PASS or FAIL. Exit status: 0 all match, 1 any mismatch, 2 bad input (one line, no traceback).
+prints PASS or FAIL. Exit status: 0 all match, 1 any mismatch, 2 bad input or environment (one
+line, no traceback: a full disk, an unwritable folder, memory that cannot be had, Ctrl-C), 3 a bug
+(its traceback). A reader that closes the pipe early (`| head`) ends the output quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import re
 import sys
 import traceback
@@ -34,6 +38,10 @@ DEFAULT_PROMPTS = [
     "Thus saith the LORD",
 ]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Seconds the hub may stay silent on one request (not the whole download, which can be long).
+HUB_READ_TIMEOUT_S = 20.0
+# OSErrors that are the machine's state, not a bug: exit 2 with what to fix.
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOMEM}
 
 
 @dataclass
@@ -117,20 +125,33 @@ def resolve(args: argparse.Namespace) -> Setup:
 
 
 def resolve_model_dir(arg: str) -> Path:
-    path = Path(arg)
+    path = Path(arg).expanduser()
     if path.is_dir():
         return path
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", arg) and not path.exists():
+    if path.exists():
+        raise InputError(f"--model {arg} is a file; pass the folder that holds config.json and the weights")
+    if looks_like_hub_id(arg):
         return _download(arg)
-    raise InputError(f"model folder {arg} does not exist; pass --model with an HF-format folder")
+    raise InputError(f"no such folder: {arg} does not exist; pass --model with an HF-format folder "
+                     f"(or a hub id, org/name)")
+
+
+def looks_like_hub_id(arg: str) -> bool:
+    """org/name, unless it reads as a local path: one starting with '.', or whose first part is a
+    folder here (assets/tiny-qwen3-kjvv is a typo of a local folder, not a model on the hub)."""
+    return (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", arg) is not None
+            and not Path(arg.split("/")[0]).exists())
 
 
 def _download(repo_id: str) -> Path:
     try:
-        from huggingface_hub import snapshot_download
+        import huggingface_hub
 
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt"]))
-    except Exception as exc:  # offline, unknown id, no permission: all mean "use a local folder"
+        # snapshot_download asks for the repository's file list with no timeout: ask first with one.
+        huggingface_hub.model_info(repo_id, timeout=HUB_READ_TIMEOUT_S)
+        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt"],
+                                                      etag_timeout=HUB_READ_TIMEOUT_S))
+    except Exception as exc:  # offline, unknown id, no permission, silent server: all mean "use a local folder"
         raise InputError(f"could not fetch {repo_id} from the hub ({type(exc).__name__}); "
                          f"pass --model with a local folder") from None
 
@@ -165,6 +186,11 @@ def read_prompts(args, tokenizer, cfg: Qwen3Config) -> list[Prompt]:
 def encode(tokenizer, text: str) -> list[int]:
     if not text.strip():
         raise InputError("--prompt is empty; give some text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes that are not UTF-8 reach sys.argv as lone surrogates
+        raise InputError(f"--prompt is not valid UTF-8 (at character {exc.start}); pass UTF-8 text, "
+                         f"or ids with --prompt-ids") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -195,31 +221,70 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
     parser = make_parser(lesson, description)
     if add_options:
         add_options(parser)
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         setup = resolve(args)
         result = run(args, setup)
         report = compare_with_hf(setup, result)
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except BaseException as exc:
+        return _failure_status(exc)
+    try:
+        print_report(lesson, setup, report, result.figures)
+        if args.json:
+            print(json.dumps({"lesson": lesson, "model": str(setup.model_dir), "device": setup.device,
+                              "dtype": str(setup.dtype).removeprefix("torch."), "match": report["match"],
+                              **result.figures, "requests": report["requests"]}))
+        sys.stdout.flush()  # a closed pipe or a full disk shows here, not at exit
+    except BrokenPipeError:
+        _stdout_to_devnull()  # the reader has what it wanted; nothing more to say
     except KeyboardInterrupt:
-        print("error: interrupted (Ctrl-C) before the comparison finished; nothing was written", file=sys.stderr)
+        _stdout_to_devnull()
+        print("error: interrupted (Ctrl-C) while printing the report", file=sys.stderr)
         return 2
-    except torch.OutOfMemoryError:
-        print("error: out of memory; lower --num-blocks / --kv-memory or use a smaller model", file=sys.stderr)
+    except OSError as exc:
+        _stdout_to_devnull()
+        print(f"error: cannot write the report to stdout ({exc.strerror or exc}); free some space or "
+              f"write it elsewhere", file=sys.stderr)
         return 2
-    except Exception:  # a bug, not bad input: show where, and never exit 1 (= ids differ from HF)
-        traceback.print_exc()
+    return 0 if report["match"] else 1
+
+
+def _failure_status(exc: BaseException) -> int:
+    """One line and exit 2 for bad input or the environment; a traceback and 3 for a bug."""
+    if isinstance(exc, SystemExit):  # argparse's errors (already one line) and --help
+        return exc.code if isinstance(exc.code, int) else 2
+    if isinstance(exc, InputError):
+        message = str(exc)
+    elif isinstance(exc, KeyboardInterrupt):
+        message = "interrupted (Ctrl-C) before the comparison finished; nothing was written"
+    elif isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or _is_failed_allocation(exc):
+        message = "out of memory; lower --num-blocks / --kv-memory / --cache-len or use a smaller model"
+    elif isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS:
+        where = f" ({exc.filename})" if exc.filename else ""
+        message = f"{exc.strerror}{where}; free some space or fix the permissions, then run again"
+    elif isinstance(exc, Exception):  # a bug, not bad input: show where, and never exit 1 (= ids differ)
+        traceback.print_exception(exc)
         print("internal error (a bug in the code, or in a student copy a function not written yet; not "
               "your input): the traceback above ends where it happened", file=sys.stderr)
         return 3
-    print_report(lesson, setup, report, result.figures)
-    if args.json:
-        print(json.dumps({"lesson": lesson, "model": str(setup.model_dir), "device": setup.device,
-                          "dtype": str(setup.dtype).removeprefix("torch."), "match": report["match"],
-                          **result.figures, "requests": report["requests"]}))
-    return 0 if report["match"] else 1
+    else:
+        raise exc
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _is_failed_allocation(exc: BaseException) -> bool:
+    """torch's CPU allocator raises a plain RuntimeError when malloc fails."""
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "DefaultCPUAllocator" in str(exc))
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null so Python's own flush at exit does not fail (and print) again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture): nothing to do
+        return
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
 def compare_with_hf(setup: Setup, result: LessonRun) -> dict:

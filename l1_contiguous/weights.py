@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -9,6 +10,10 @@ from safetensors import safe_open
 
 from .config import Qwen3Config, read_json
 from .errors import ModelLoadError
+
+
+class ModelFolderWarning(UserWarning):
+    """The folder loads, but not every weights file in it is read (HF's choice, repeated here)."""
 
 
 def expected_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
@@ -67,18 +72,25 @@ def _read_tensors(file: Path, wanted: dict) -> dict[str, torch.Tensor]:
 
 
 def _tensor_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists() or index.is_symlink():
-        raw = read_json(index)
-        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ModelLoadError(f"{index} has no weight_map of tensor name -> shard file; fix or re-download it")
-        shard_names = sorted(set(weight_map.values()))
-        missing = [s for s in shard_names if not (model_dir / s).is_file()]
-        if missing:
-            raise ModelLoadError(f"shard {missing[0]} listed in {index.name} is not in {model_dir}")
-        return [model_dir / s for s in shard_names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
-    return files
+    """The files HF reads, the way it picks them: model.safetensors if present, else the shards the
+    index names. Never both merged, and never another *.safetensors lying in the folder."""
+    single, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    has_index = index.exists() or index.is_symlink()
+    if single.exists() or single.is_symlink():
+        if has_index:
+            warnings.warn(f"{model_dir} has both model.safetensors and {index.name}; loading model.safetensors, "
+                          f"as transformers does (remove one to silence this)", ModelFolderWarning, stacklevel=3)
+        return [single]
+    if not has_index:
+        others = sorted(p.name for p in model_dir.glob("*.safetensors"))
+        found = f" (it has {', '.join(others[:3])}, names transformers does not load)" if others else ""
+        raise ModelLoadError(f"{model_dir} has no model.safetensors nor {index.name}{found}")
+    raw = read_json(index)
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelLoadError(f"{index} has no weight_map of tensor name -> shard file; fix or re-download it")
+    shard_names = sorted(set(weight_map.values()))
+    missing = [s for s in shard_names if not (model_dir / s).is_file()]
+    if missing:
+        raise ModelLoadError(f"shard {missing[0]} listed in {index.name} is not in {model_dir}")
+    return [model_dir / s for s in shard_names]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from l1_contiguous import InputError
+
 
 class OutOfBlocksError(RuntimeError):
     """Not enough free blocks. Later lessons catch this to preempt or evict instead of failing."""
@@ -12,6 +14,13 @@ class OutOfBlocksError(RuntimeError):
         self.requested, self.free = requested, free
 
 
+def check_pool_shape(num_blocks, block_size) -> None:
+    """InputError (a ValueError) unless both are ints >= 1: a float, a bool or a string is refused."""
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be an int >= 1, got {value!r}")
+
+
 class BlockAllocator:
     """Hands out block ids 0..num_blocks-1 and takes them back.
 
@@ -20,8 +29,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        check_pool_shape(num_blocks, block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
         # Popped from the end; reversed so a fresh allocator hands out 0, 1, 2, ... (easier to read).
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))

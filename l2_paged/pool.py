@@ -17,10 +17,13 @@ import torch
 
 from l1_contiguous import InputError, Qwen3Config
 
+from .allocator import check_pool_shape
+
 
 class KvPool:
     def __init__(self, cfg: Qwen3Config, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu"):
+        check_pool_shape(num_blocks, block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_slots = num_blocks * block_size
         shape = (self.num_slots, cfg.num_key_value_heads, cfg.head_dim)

@@ -32,6 +32,11 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)  # ceil
 
 
+def kv_positions_needed(prompt_len: int, max_new_tokens: int) -> int:
+    """Positions of K/V a request writes at its longest: its last new token is never fed back."""
+    return prompt_len + max_new_tokens - 1
+
+
 def reserve(req: Request, alloc: BlockAllocator, target_len: int) -> None:
     """Make `req` own enough blocks for `target_len` positions. All-or-nothing on OutOfBlocksError."""
     # BEGIN SOLUTION

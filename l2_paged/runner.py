@@ -35,6 +35,13 @@ class PoolStats:
     owners: list[dict[int, list[int]]] = field(default_factory=list)  # request id -> its blocks
 
 
+def check_pool_matches(pool: KvPool, alloc: BlockAllocator) -> None:
+    """The allocator hands out ids of the pool's blocks: both must have the same shape."""
+    if (pool.num_blocks, pool.block_size) != (alloc.num_blocks, alloc.block_size):
+        raise InputError(f"the pool has {pool.num_blocks} blocks of {pool.block_size} tokens but the allocator "
+                         f"{alloc.num_blocks} of {alloc.block_size}; build both with the same sizes")
+
+
 def load_paged_model(model_dir: str | Path, dtype=torch.float32, device="cpu",
                      attention_cls=PagedAttention) -> Qwen3ForCausalLM:
     """L1's model with the paged cache step."""
@@ -43,6 +50,7 @@ def load_paged_model(model_dir: str | Path, dtype=torch.float32, device="cpu",
 
 class PagedRunner:
     def __init__(self, model: Qwen3ForCausalLM, pool: KvPool, alloc: BlockAllocator, stop_ids=None):
+        check_pool_matches(pool, alloc)
         self.model, self.pool, self.alloc = model, pool, alloc
         self.stop_ids = set(model.config.eos_token_ids if stop_ids is None else stop_ids)
         self.stats = PoolStats(alloc.num_blocks)

@@ -146,20 +146,37 @@ def emulation_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "l3_block_kernel"
 
 
+def emulation_library(compiler: str) -> Path:
+    """Where the library built by `compiler` from the current sources is cached (keyed by their hash)."""
+    digest = hashlib.sha256(" ".join((compiler, *EMULATION_FLAGS)).encode())
+    for path in emulation_sources():
+        digest.update(path.read_bytes())
+    return emulation_cache_dir() / f"emulated-{digest.hexdigest()[:16]}" / "paged_attention_emulated.so"
+
+
 def _build_emulation() -> ctypes.CDLL:
     compiler = host_compiler()
     if compiler is None:
         raise InputError("backend='emulated' needs a C++20 compiler: install g++ or clang++ (or set CXX)")
-    digest = hashlib.sha256(" ".join((compiler, *EMULATION_FLAGS)).encode())
-    for path in emulation_sources():
-        digest.update(path.read_bytes())
-    library = emulation_cache_dir() / f"emulated-{digest.hexdigest()[:16]}" / "paged_attention_emulated.so"
-    if not library.exists():
-        _compile_emulation(compiler, library)
+    library = emulation_library(compiler)
+    if library.exists():
+        try:
+            return _bind(ctypes.CDLL(str(library)))
+        except (OSError, AttributeError):  # a cut or corrupt file (a full disk, a killed copy): rebuild it
+            pass
+    _compile_emulation(compiler, library)
     return _bind(ctypes.CDLL(str(library)))
 
 
 def _compile_emulation(compiler: str, library: Path) -> None:
+    try:
+        _compile_into(compiler, library)
+    except OSError as exc:  # the cache folder cannot be written: permissions, a full disk, read-only
+        raise InputError(f"cannot write the L3 emulation cache {library.parent} ({exc.strerror or exc}); "
+                         f"set L3_EMULATION_CACHE to a writable folder") from None
+
+
+def _compile_into(compiler: str, library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     # Compile to a temporary name, then rename: two processes building at once never load half a file.
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:

@@ -6,19 +6,23 @@
     swap or copy), it is rolled back to the state before it and the exception re-raised, so the
     next step simply runs it again. See `step` for the one exception: a victim preempted by the
     interrupted step may have had its blocks overwritten, so it comes back preempted for recompute.
+    A rollback that is itself interrupted (a second Ctrl-C) is finished by the next call.
+    `add_request` and `abort` are all or nothing too. A failure that belongs to one request (its
+    sampling) finishes that request with finish_reason "error" and the others go on.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from l1_contiguous import InputError
 from l2_paged import BlockAllocator
+from l2_paged.allocator import check_pool_shape
 from l3_block_kernel import BlockKvPool
 
 from .lifecycle import EngineRequest, State
@@ -57,6 +61,9 @@ class StepRecord:
 # for it, and its attention mask is 9,216 x 9,216. 256 bounds a step's prefill rows (and its mask)
 # whatever arrives, and is a multiple of every block size the course uses.
 DEFAULT_PREFILL_CHUNK = 256
+# Priorities are added to fractions in ScorePolicy's float score: beyond 1e9 those fractions stop
+# counting (a float64 keeps about 16 digits).
+MAX_PRIORITY = 10**9
 
 
 class Engine:
@@ -76,6 +83,7 @@ class Engine:
         self.future: list[EngineRequest] = []  # added with an arrival step still ahead
         self.timeline: list[StepRecord] = []
         self.now = 0
+        self._pending_rollback: _PendingRollback | None = None  # a rollback a second interrupt cut short
 
     def _make_scheduler(self, policy, prefill_chunk, watermark_blocks) -> Scheduler:
         return Scheduler(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks)
@@ -83,8 +91,14 @@ class Engine:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, item: WorkItem) -> EngineRequest:
-        """Queue one request; InputError (nothing queued) when the item cannot run on this model."""
+        """Queue one request; InputError (nothing queued) when the item cannot run on this model.
+        All or nothing: whatever interrupts it, nothing of the request stays queued."""
+        self._finish_rollback()
         self._check_item(item)
+        with self._all_or_nothing([self, self.scheduler]):
+            return self._add(item)
+
+    def _add(self, item: WorkItem) -> EngineRequest:
         req = self._new_request(item)
         if req.arrival_step <= self.now:
             self.scheduler.add(req)
@@ -103,11 +117,15 @@ class Engine:
         """Every id, type and length checked at the door, so a bad request never reaches a step.
         (An empty prompt or max_new_tokens < 1 is the scheduler's `check`, which says why.)"""
         who, cfg = f"request {len(self.requests)}", self.model.config
-        ids = item.prompt_ids
+        if not isinstance(item, WorkItem):
+            raise InputError(f"{who}: add_request takes a WorkItem, got {type(item).__name__} {_short(item)}")
+        ids, stop_ids = item.prompt_ids, item.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
             raise InputError(f"{who}: prompt_ids must be a list of ints, got {_short(ids)}")
-        bad = next((i for i in [*ids, *item.stop_token_ids] if not 0 <= i < cfg.vocab_size), None)
-        if bad is not None or not all(_is_int(i) for i in item.stop_token_ids):
+        if not isinstance(stop_ids, (list, tuple, set, frozenset)) or not all(_is_int(i) for i in stop_ids):
+            raise InputError(f"{who}: stop_token_ids must be a list of ints, got {_short(stop_ids)}")
+        bad = next((i for i in [*ids, *stop_ids] if not 0 <= i < cfg.vocab_size), None)
+        if bad is not None:
             raise InputError(f"{who}: token id {bad!r} is outside the vocabulary 0..{cfg.vocab_size - 1}")
         if not _is_int(item.max_new_tokens):
             raise InputError(f"{who}: max_new_tokens must be an int, got {item.max_new_tokens!r}")
@@ -115,22 +133,24 @@ class Engine:
             raise InputError(f"{who}: {len(ids)} prompt + {item.max_new_tokens} new tokens exceed the model's "
                              f"{cfg.max_position_embeddings} positions; shorten it")
         if isinstance(item.priority, bool) or not isinstance(item.priority, (int, float)) \
-                or not math.isfinite(item.priority):
-            raise InputError(f"{who}: priority must be a finite number, got {item.priority!r}")
+                or not -MAX_PRIORITY <= item.priority <= MAX_PRIORITY:  # NaN fails this too
+            raise InputError(f"{who}: priority must be a number from -10**9 to 10**9 (a policy weighs it "
+                             f"in a float score), got {_short(item.priority)}")
         if not _is_int(item.arrival_step) or item.arrival_step < 0:
             raise InputError(f"{who}: arrival_step must be an int >= 0, got {item.arrival_step!r}")
 
     def abort(self, request_id: int) -> None:
-        if request_id not in self.requests:
-            raise InputError(f"abort: no request has id {request_id!r} (ids are 0..{len(self.requests) - 1})")
+        """Finish a request now (finish_reason "aborted"), freeing what it holds; all or nothing."""
+        self._finish_rollback()
+        if not _is_int(request_id) or request_id not in self.requests:
+            raise InputError(f"abort: no request has id {_short(request_id)} (ids are 0..{len(self.requests) - 1})")
         req = self.requests[request_id]
         if req.state is State.FINISHED:
             return
-        if req in self.future:
-            self.future.remove(req)
-        self.scheduler.remove(req)
-        self.preemptor.discard(req)
-        req.state, req.finish_reason = State.FINISHED, "aborted"
+        with self._all_or_nothing([self, self.scheduler, self.alloc, self.preemptor, self.preemptor.counters, req]):
+            if req in self.future:
+                self.future.remove(req)
+            self._finish(req, "aborted")
 
     # ------------------------------------------------------------------ one step
 
@@ -143,8 +163,8 @@ class Engine:
         step preempted (they may have been handed on and overwritten): that request is preempted
         for recompute after the rollback (its outputs are kept; only K/V is computed again).
         """
-        saved = self._snapshot()
-        try:
+        self._finish_rollback()
+        with self._all_or_nothing():
             self._arrivals()
             plan = self.scheduler.schedule(self.now)
             tokens = self._run(plan)
@@ -152,9 +172,6 @@ class Engine:
             record = self._record(plan)
             self.now += 1
             return record
-        except BaseException:
-            self._roll_back(saved)
-            raise
 
     def _run(self, plan) -> dict[int, int]:
         """One forward for the whole plan, decodes first (see mixed.py); request id -> sampled token."""
@@ -176,16 +193,45 @@ class Engine:
         live = [r for r in self.requests.values() if r.state is not State.FINISHED]
         return [self, self.scheduler, self.alloc, self.preemptor, self.preemptor.counters, *live]
 
-    def _snapshot(self) -> list:
-        return [(obj, {k: _saved(v) for k, v in vars(obj).items()}) for obj in self._stateful()]
+    @contextmanager
+    def _all_or_nothing(self, objects: list | None = None):
+        """Run the block; on any exception put `objects` (default: `_stateful()`) back as they were.
+        The rollback is noted first, so that if a second interrupt cuts it short the next call
+        finishes it (`_finish_rollback`) before doing anything else."""
+        saved = self._snapshot(objects)
+        try:
+            yield
+        except BaseException:
+            # Taken before anything is restored, so that a repeated rollback still knows them.
+            victims = [obj for obj, state in saved
+                       if isinstance(obj, EngineRequest) and obj.num_preemptions != state["num_preemptions"]]
+            self._pending_rollback = _PendingRollback(saved, victims, self._failure_marks())
+            self._finish_rollback()
+            raise
 
-    def _roll_back(self, saved: list) -> None:
-        preempted = [obj for obj, state in saved
-                     if isinstance(obj, EngineRequest) and obj.num_preemptions != state["num_preemptions"]]
+    def _finish_rollback(self) -> None:
+        """Complete a rollback, if one is pending. Safe to repeat: it restores from copies."""
+        pending = self._pending_rollback
+        if pending is not None:
+            self._roll_back(pending.saved, pending.victims, pending.marks)
+            self._pending_rollback = None
+
+    def _failure_marks(self):
+        """What a rollback must know about the state at the failure (L8: the cache keys then)."""
+        return None
+
+    def _snapshot(self, objects: list | None = None) -> list:
+        return [(obj, {k: _saved(v) for k, v in vars(obj).items() if k != "_pending_rollback"})
+                for obj in (self._stateful() if objects is None else objects)]
+
+    def _roll_back(self, saved: list, victims: list[EngineRequest], marks=None) -> None:
+        """Restore `saved`; then each victim the failed step preempted is preempted for recompute."""
         for obj, state in saved:
-            vars(obj).clear()
-            vars(obj).update({k: _restored(v) for k, v in state.items()})
-        for req in preempted:  # back to before the step, then preempted without its (maybe reused) blocks
+            current = vars(obj)
+            current.update({k: _restored(v) for k, v in state.items()})
+            for key in [k for k in current if k not in state and k != "_pending_rollback"]:
+                del current[key]
+        for req in victims:  # back to before the step, then preempted without its (maybe reused) blocks
             if req in self.scheduler.running:
                 self.scheduler.running.remove(req)
                 self.preemptor.drop_for_recompute(req)
@@ -193,7 +239,9 @@ class Engine:
 
     def _commit(self, plan, tokens: dict[int, int]) -> None:
         for req, _ in plan:
-            if req.num_pending == 0:  # the whole history is cached: the token is real
+            if req.error is not None:  # its own failure this step (see _sample): it alone stops
+                self._finish(req, "error")
+            elif req.num_pending == 0:  # the whole history is cached: the token is real
                 req.output_ids.append(tokens[req.request_id])
                 self._maybe_finish(req)
 
@@ -202,9 +250,12 @@ class Engine:
         reason = ("eos" if token in self.eos_ids else "stop" if token in req.stop_token_ids
                   else "length" if len(req.output_ids) >= req.max_new_tokens else None)
         if reason:
-            self.scheduler.remove(req)
-            self.preemptor.discard(req)  # frees its blocks now
-            req.state, req.finish_reason = State.FINISHED, reason
+            self._finish(req, reason)
+
+    def _finish(self, req: EngineRequest, reason: str) -> None:
+        self.scheduler.remove(req)
+        self.preemptor.discard(req)  # frees its blocks now
+        req.state, req.finish_reason = State.FINISHED, reason
 
     def _arrivals(self) -> None:
         for req in [r for r in self.future if r.arrival_step <= self.now]:
@@ -220,10 +271,18 @@ class Engine:
         for item in workload:
             self.add_request(item)
         while self.has_unfinished():
+            self._skip_idle_steps()
             if self.now >= max_steps:
                 raise RuntimeError(f"workload not finished after {max_steps} steps")
             self.step()
         return self.requests
+
+    def _skip_idle_steps(self) -> None:
+        """With nothing queued and only later arrivals left, jump to the next arrival: an idle
+        engine waits, it does not spin through empty steps (none is recorded in the timeline)."""
+        s = self.scheduler
+        if self.future and not (s.waiting or s.running or s.swapped):
+            self.now = max(self.now, min(r.arrival_step for r in self.future))
 
     # ------------------------------------------------------------------ counters
 
@@ -245,6 +304,13 @@ class Engine:
                 "swapped_copies_left": sum(r.swapped is not None for r in self.requests.values())}
 
 
+class _PendingRollback:
+    """A step's (or call's) saved state, kept until its rollback has completed."""
+
+    def __init__(self, saved: list, victims: list[EngineRequest], marks):
+        self.saved, self.victims, self.marks = saved, victims, marks
+
+
 class _GeneratorState:
     def __init__(self, generator: torch.Generator):
         self.generator, self.state = generator, generator.get_state()
@@ -261,6 +327,8 @@ def _saved(value):
 
 
 def _restored(value):
+    if isinstance(value, (list, dict, set, deque)):  # a fresh copy: a repeated rollback starts clean
+        return copy.copy(value)
     if isinstance(value, _GeneratorState):
         value.generator.set_state(value.state)
         return value.generator
@@ -284,8 +352,7 @@ def make_engine(model, num_blocks: int, block_size: int = 16, engine_cls: type[E
                 **kwargs) -> Engine:
     """Pool, allocator (`engine_cls.allocator_cls`) and engine in one call; InputError for a pool
     that cannot exist (a size that is not a positive int, or more bytes than the device has)."""
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-        raise InputError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    check_pool_shape(num_blocks, block_size)
     try:
         pool = BlockKvPool(model.config, num_blocks, block_size, model.dtype, model.device)
     except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError

@@ -1,6 +1,6 @@
 """A request's life in the engine.
 
-    WAITING ──admit──► RUNNING ──finish──► FINISHED   (eos, length, stop, aborted)
+    WAITING ──admit──► RUNNING ──finish──► FINISHED   (eos, length, stop, aborted, error)
        ▲                 │  │
        └──preempt────────┘  └──preempt (swap)──► SWAPPED ──swap in──► RUNNING
           (recompute: blocks dropped, prefill prompt + generated tokens again)
@@ -45,7 +45,8 @@ class EngineRequest(Request):
     arrival_step: int = 0
     stop_token_ids: tuple[int, ...] = ()
     state: State = State.WAITING
-    finish_reason: str | None = None  # "eos", "stop", "length", "aborted"
+    finish_reason: str | None = None  # "eos", "stop", "length", "aborted", "error"
+    error: str | None = None  # why it failed, with finish_reason "error" (e.g. its sampling raised)
     last_scheduled_step: int = -1
     swapped: SwappedKv | None = None
     num_preemptions: int = 0

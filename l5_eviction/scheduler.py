@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 
 from l1_contiguous import InputError
-from l2_paged import BlockAllocator, blocks_needed, reserve
+from l2_paged import BlockAllocator, blocks_needed, kv_positions_needed, reserve
 
 from .lifecycle import EngineRequest, State
 from .preempt import Preemptor
@@ -51,7 +51,7 @@ class Scheduler:
         if not req.prompt_ids or req.max_new_tokens < 1:  # either would never be scheduled correctly
             raise InputError(f"request {req.request_id} has {len(req.prompt_ids)} prompt tokens and "
                              f"max_new_tokens={req.max_new_tokens}; it needs at least 1 of each")
-        need = blocks_needed(len(req.prompt_ids) + req.max_new_tokens, self.alloc.block_size)
+        need = blocks_needed(kv_positions_needed(len(req.prompt_ids), req.max_new_tokens), self.alloc.block_size)
         if need > self.alloc.num_blocks:
             raise RequestTooLargeError(
                 f"request {req.request_id} needs {need} blocks (prompt {len(req.prompt_ids)} + "

@@ -11,11 +11,12 @@ In-batch sharing: a waiting request whose next uncached block another running re
 Finish or preemption: references are dropped; keyed blocks stay cached until space is needed.
 n > 1: the prompt is prefilled once; when its prefill completes, n - 1 forks share all its
   blocks (the partial last one too) and copy-on-write that block on their first write.
+Counters: a request's prompt is counted once, at its first admission; K/V it computes again after a
+  preemption is `tokens_recomputed`, never a prefix hit.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -23,10 +24,15 @@ import torch
 from l1_contiguous import InputError
 from l2_paged import release
 from l5_eviction import Engine, EngineRequest, Scheduler, State, WorkItem, make_engine
+from l5_eviction.engine import _short
 
 from .block_hash import block_key, chain_keys
 from .cow import copy_on_write, shared_write_block
 from .prefix_allocator import PrefixBlockAllocator
+
+
+MAX_TEMPERATURE = 100.0  # above this, softmax(logits / T) is all but uniform: sampling noise, not text
+SEED_LIMIT = 2**64  # torch.Generator seeds are unsigned 64-bit; sample k uses seed + k
 
 
 @dataclass
@@ -76,8 +82,9 @@ class PrefixScheduler(Scheduler):
             release(req, self.alloc)
             req.cur_len, req.block_keys = 0, []
         elif n:
-            self.counters.prefill_tokens_total += len(req.tokens)
-            self.counters.prefix_hit_tokens += req.cur_len
+            if req.num_preemptions == 0:  # counted once; a recompute is not a hit (see tokens_recomputed)
+                self.counters.prefill_tokens_total += len(req.tokens)
+                self.counters.prefix_hit_tokens += req.cur_len
             if self.sharing:
                 req.prompt_keys = chain_keys(req.tokens[:-1], self.alloc.block_size)
                 if self._in_flight is not None:
@@ -154,28 +161,31 @@ class PrefixEngine(Engine):
 
     # ------------------------------------------------------------------ requests and samples
 
-    def add_request(self, item: WorkItem) -> PrefixRequest:
+    def _add(self, item: WorkItem) -> PrefixRequest:
         """n > 1 with sharing: one request now, n - 1 forks after its prefill; without: n requests."""
         n = getattr(item, "n", 1)
-        first = super().add_request(item)
+        first = super()._add(item)
         if self.sharing:
             first.forks = list(range(1, n))
         else:
             for k in range(1, n):
-                self._as_sample(super().add_request(item), first, k)
+                self._as_sample(super()._add(item), first, k)
         return first
 
     def _check_item(self, item: WorkItem) -> None:
         super()._check_item(item)
         who = f"request {len(self.requests)}"
         n, temperature, seed = getattr(item, "n", 1), getattr(item, "temperature", 0.0), getattr(item, "seed", 0)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise InputError(f"{who}: n (samples) must be an int >= 1, got {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.alloc.num_blocks:
+            raise InputError(f"{who}: n (samples) must be an int from 1 to the pool's {self.alloc.num_blocks} "
+                             f"blocks (each sample writes into a block of its own), got {_short(n)}")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not math.isfinite(temperature) or temperature < 0:
-            raise InputError(f"{who}: temperature must be a finite number >= 0, got {temperature!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise InputError(f"{who}: seed must be an int >= 0, got {seed!r}")
+                or not 0 <= temperature <= MAX_TEMPERATURE:  # NaN fails this too
+            raise InputError(f"{who}: temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}, "
+                             f"got {_short(temperature)}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_LIMIT - n:
+            raise InputError(f"{who}: seed must be an int from 0 to 2**64 - n (sample k draws with seed + k), "
+                             f"got {_short(seed)}")
 
     def _new_request(self, item: WorkItem) -> PrefixRequest:
         req = super()._new_request(item)
@@ -197,7 +207,17 @@ class PrefixEngine(Engine):
                 self._prefill_logits[req.request_id] = row  # the forks draw their first token from it
         # Draw only where the token is real (nothing pending): a draw for a mid-prompt chunk would be
         # thrown away but still advance the generator, and sharing changes how many chunks a prompt takes.
-        return [draw(req, row) if req.num_pending == 0 else -1 for req, row in zip(reqs, logits)]
+        return [self._draw_or_fail(req, row) if req.num_pending == 0 else -1 for req, row in zip(reqs, logits)]
+
+    @staticmethod
+    def _draw_or_fail(req: PrefixRequest, logits_row: torch.Tensor) -> int:
+        """`draw`, or -1 with `req.error` set if this request's sampling fails (e.g. NaN logits):
+        the engine then finishes it alone with finish_reason "error" (see Engine._commit)."""
+        try:
+            return draw(req, logits_row)
+        except Exception as exc:
+            req.error = f"sampling failed: {_one_line(exc)}"
+            return -1
 
     # ------------------------------------------------------------------ after each forward
 
@@ -226,7 +246,6 @@ class PrefixEngine(Engine):
         for k in parent.forks:
             child = self._new_request(WorkItem(parent.prompt_ids, parent.max_new_tokens, self.now,
                                                parent.priority, parent.stop_token_ids))
-            self._as_sample(child, parent, k)
             child.temperature = parent.temperature
             self.alloc.acquire(parent.blocks)
             child.blocks, child.slot_indices = list(parent.blocks), list(parent.slot_indices)
@@ -235,21 +254,35 @@ class PrefixEngine(Engine):
             self.requests[child.request_id] = child
             self.scheduler.running.append(child)
             self.prefix.fork_shared_tokens += child.cur_len
-            child.output_ids.append(draw(child, logits_row))
-            self._maybe_finish(child)
+            self._first_token_of_fork(child, parent, k, logits_row)
         parent.forks = []
+
+    def _first_token_of_fork(self, child: PrefixRequest, parent: PrefixRequest, k: int, logits_row) -> None:
+        """Seed sample k and draw its first token; if either fails, only this sample ends ("error")."""
+        try:
+            self._as_sample(child, parent, k)
+        except Exception as exc:
+            child.error = f"seeding sample {k} failed: {_one_line(exc)}"
+        token = self._draw_or_fail(child, logits_row) if child.error is None else -1
+        if child.error is not None:
+            self._finish(child, "error")
+            return
+        child.output_ids.append(token)
+        self._maybe_finish(child)
 
     # ------------------------------------------------------------------ rollback (see Engine.step)
 
     def _stateful(self) -> list:
         return [*super()._stateful(), self.prefix]
 
-    def _roll_back(self, saved: list) -> None:
+    def _failure_marks(self) -> dict[int, bytes]:
+        return dict(self.alloc.key_of)  # the keys when the step failed, before any rollback
+
+    def _roll_back(self, saved: list, victims: list, keys_at_failure: dict[int, bytes]) -> None:
         """L5's rollback; then a cached block the step evicted (and may have overwritten) is forgotten."""
-        keys_now = dict(self.alloc.key_of)
-        super()._roll_back(saved)
+        super()._roll_back(saved, victims)
         for block, key in list(self.alloc.key_of.items()):
-            if keys_now.get(block) != key and self.alloc.ref_count[block] == 0:
+            if keys_at_failure.get(block) != key and self.alloc.ref_count[block] == 0:
                 self.alloc.forget(block)
 
     # ------------------------------------------------------------------ counters
@@ -286,6 +319,11 @@ def draw(req: PrefixRequest, logits_row: torch.Tensor) -> int:
         return int(logits_row.argmax())
     probs = torch.softmax(logits_row.float() / req.temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=req.generator))
+
+
+def _one_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def make_prefix_engine(model, num_blocks: int, block_size: int = 16, **kwargs) -> PrefixEngine:

@@ -59,6 +59,9 @@ class PrefixBlockAllocator(BlockAllocator):
 
     def forget(self, block: int) -> None:
         """Turn a cached free block into a plain free one: its key (and K/V) is no longer found."""
+        if block not in self.cached_free:  # also refuses ids outside the pool
+            raise ValueError(f"block {block!r} is not cached free (in use, plain free or not in the pool); "
+                             f"only a cached free block can be forgotten")
         del self.cached_free[block]
         del self.block_of[self.key_of.pop(block)]
         self._is_free[block] = True

@@ -8,10 +8,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+from harness.cli import starting  # noqa: E402
 
-from harness.smoke import LessonRun, RequestResult, run_smoke  # noqa: E402
-from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate  # noqa: E402
+with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
+    import torch  # noqa: E402
+
+    from harness.smoke import LessonRun, RequestResult, run_smoke  # noqa: E402
+    from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate  # noqa: E402
 
 
 LESSON = "L1"

@@ -15,12 +15,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+from harness.cli import starting  # noqa: E402
 
-from harness.smoke import LessonRun, RequestResult, run_smoke  # noqa: E402
-from l1_contiguous import InputError  # noqa: E402
-from l2_paged import (BlockAllocator, KvPool, OutOfBlocksError, PagedRunner, Request, blocks_needed,  # noqa: E402
-                      bytes_per_block, cuda_kv_budget, load_paged_model, num_blocks_for_budget, parse_size)
+with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
+    import torch  # noqa: E402
+
+    from harness.smoke import LessonRun, RequestResult, run_smoke  # noqa: E402
+    from l1_contiguous import InputError  # noqa: E402
+    from l2_paged import (BlockAllocator, KvPool, OutOfBlocksError, PagedRunner, Request, blocks_needed,  # noqa: E402
+                          bytes_per_block, cuda_kv_budget, kv_positions_needed, load_paged_model,
+                          num_blocks_for_budget, parse_size)
+
 
 LESSON = "L2"
 
@@ -77,7 +82,7 @@ def pool_blocks(args, setup, requests: list[Request]) -> int:
 
 def longest_blocks(req: Request, block_size: int) -> int:
     """Blocks a request holds at its longest: the last new token's K/V is never written."""
-    return blocks_needed(len(req.prompt_ids) + req.max_new_tokens - 1, block_size)
+    return blocks_needed(kv_positions_needed(len(req.prompt_ids), req.max_new_tokens), block_size)
 
 
 def run(args, setup) -> LessonRun:

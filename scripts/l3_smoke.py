@@ -11,10 +11,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # l2_smoke, whose pool options L3 keeps
 
-import l2_smoke  # noqa: E402
-from harness.smoke import LessonRun, run_smoke  # noqa: E402
-from l3_block_kernel import (  # noqa: E402
-    DECODE_BACKENDS, BlockKvPool, BlockTableRunner, check_backend_device, default_backend, load_block_model)
+from harness.cli import starting  # noqa: E402
+
+with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
+    import l2_smoke  # noqa: E402
+    from harness.smoke import LessonRun, run_smoke  # noqa: E402
+    from l3_block_kernel import (  # noqa: E402
+        DECODE_BACKENDS, BlockKvPool, BlockTableRunner, check_backend_device, default_backend, load_block_model)
+
 
 LESSON = "L3"
 

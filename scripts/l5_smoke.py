@@ -9,11 +9,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
-from l1_contiguous import InputError  # noqa: E402
-from l2_paged import blocks_needed  # noqa: E402
-from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
-from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, POLICIES, WorkItem, engine_backend, load_engine_model, make_engine  # noqa: E402
+from harness.cli import starting  # noqa: E402
+
+with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
+    from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
+    from l1_contiguous import InputError  # noqa: E402
+    from l2_paged import blocks_needed, kv_positions_needed  # noqa: E402
+    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, POLICIES, WorkItem, engine_backend, load_engine_model, make_engine  # noqa: E402
+
 
 LESSON = "L5"
 WORKLOAD_PROMPTS = [
@@ -62,14 +66,16 @@ def check_options(args) -> None:
 def pool_blocks(args, items: list[WorkItem]) -> int:
     need = [blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items]
     num_blocks = args.num_blocks if args.num_blocks is not None else max(sum(need) // 4, max(need) + 1)
-    return checked_pool(num_blocks, need, args.block_size)
+    return checked_pool(num_blocks, items, args.block_size)
 
 
-def checked_pool(num_blocks: int, need: list[int], block_size: int) -> int:
-    """num_blocks, or an InputError when the largest request alone (need: blocks each) cannot fit."""
-    if num_blocks < max(need):
+def checked_pool(num_blocks: int, items: list[WorkItem], block_size: int) -> int:
+    """num_blocks, or an InputError when the largest request alone cannot fit (the engine's rule)."""
+    longest = max(blocks_needed(kv_positions_needed(len(w.prompt_ids), w.max_new_tokens), block_size)
+                  for w in items)
+    if num_blocks < longest:
         raise InputError(f"a pool of {num_blocks} blocks of {block_size} tokens cannot hold the largest "
-                         f"request ({max(need)} blocks); raise --num-blocks")
+                         f"request ({longest} blocks); raise --num-blocks")
     return num_blocks
 
 

@@ -11,13 +11,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # l5_smoke, whose pool check L8 keeps
 
-import l5_smoke  # noqa: E402
-from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
-from l1_contiguous import InputError  # noqa: E402
-from l2_paged import blocks_needed  # noqa: E402
-from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
-from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, engine_backend, load_engine_model  # noqa: E402
-from l8_prefix import SampledWorkItem, make_prefix_engine  # noqa: E402
+from harness.cli import starting  # noqa: E402
+
+with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
+    import l5_smoke  # noqa: E402
+    from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
+    from l1_contiguous import InputError  # noqa: E402
+    from l2_paged import blocks_needed  # noqa: E402
+    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, engine_backend, load_engine_model  # noqa: E402
+    from l8_prefix import SampledWorkItem, make_prefix_engine  # noqa: E402
+
 
 LESSON = "L8"
 # A KJV-style "system prompt" every default request starts with (85 tokens with the embedded
@@ -92,7 +96,7 @@ def demand(items: list[SampledWorkItem], block_size: int) -> list[int]:
 def pool_blocks(args, items: list[SampledWorkItem]) -> int:
     need = demand(items, args.block_size)
     num_blocks = sum(need) if args.num_blocks is None else args.num_blocks
-    return l5_smoke.checked_pool(num_blocks, need, args.block_size)
+    return l5_smoke.checked_pool(num_blocks, items, args.block_size)
 
 
 def run(args, setup) -> LessonRun:

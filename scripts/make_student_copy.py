@@ -17,6 +17,9 @@ at the BEGIN line's indentation, naming the lesson (from the package), the enclo
 finished L1). Other files (notebooks, .cu/.cpp sources) are copied as they are. Unbalanced or
 nested fences stop the script with the file and line. The same tests then grade the student's
 work: in OUT_DIR, `make setup`, `source .venv/bin/activate`, then `pytest -m l1`.
+
+OUT_DIR may not be the repository, hold it, or lie inside it (unless git ignores it, as
+student-copy/); `--force` replaces only a folder this script made (it leaves `.student-copy` in it).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LESSON_PACKAGES = {"l1_contiguous": "L1", "l2_paged": "L2", "l3_block_kernel": "L3",
                    "l5_eviction": "L5", "l8_prefix": "L8"}
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+MARKER = ".student-copy"  # written into every copy: --force replaces only a folder that has it
 INSTRUCTOR_ONLY = ("instructor/",)  # path prefixes left out of the copy
 # A test module marked `course` as a whole (the course's own checks: model files, the copy, the
 # lessons' quotes) is instructor-only too: in a copy it could only fail because of the stubs.
@@ -173,7 +177,35 @@ def make_student_copy(root: Path, out_dir: Path, keep: frozenset[str] = frozense
             shutil.copymode(root / rel, dest)
         else:
             shutil.copy2(root / rel, dest)
+    (out_dir / MARKER).write_text("made by scripts/make_student_copy.py; --force may replace this folder\n")
     return stubbed
+
+
+def destination_problem(out_dir: Path, force: bool) -> str | None:
+    """Why `out_dir` must not be written (or, with --force, replaced), or None. Never the repository,
+    a folder of it that git would copy, or a folder this script did not make."""
+    if out_dir == REPO_ROOT or out_dir in REPO_ROOT.parents:
+        return f"{out_dir} holds the repository itself; choose another folder"
+    if REPO_ROOT in out_dir.parents and not _git_ignored(out_dir):
+        return (f"{out_dir} is inside the repository (and not ignored by git); choose a folder outside it, "
+                f"or student-copy/, which git ignores")
+    if out_dir.exists() and not out_dir.is_dir():
+        return f"{out_dir} is a file; choose a folder"
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not force:
+            return f"{out_dir} exists and is not empty; pass --force to replace it"
+        if not (out_dir / MARKER).is_file():
+            return (f"{out_dir} is not a student copy made by this script (it has no {MARKER}), so --force "
+                    f"will not delete it; delete it yourself or choose another folder")
+    return None
+
+
+def _git_ignored(path: Path) -> bool:
+    try:
+        return subprocess.run(["git", "-C", str(REPO_ROOT), "check-ignore", "-q", str(path)],
+                              capture_output=True).returncode == 0
+    except OSError:  # no git: nothing inside the repository is known to be safe
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,13 +221,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(LESSON_PACKAGES.values())}", file=sys.stderr)
         return 2
     out_dir = Path(args.out_dir).resolve()
-    if out_dir == REPO_ROOT or out_dir in REPO_ROOT.parents:
-        print(f"error: {out_dir} holds the repository itself; choose another folder", file=sys.stderr)
+    if problem := destination_problem(out_dir, args.force):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if out_dir.exists() and any(out_dir.iterdir()):
-        if not args.force:
-            print(f"error: {out_dir} exists and is not empty; pass --force to replace it", file=sys.stderr)
-            return 2
         shutil.rmtree(out_dir)
     try:
         stubbed = make_student_copy(REPO_ROOT, out_dir, keep)

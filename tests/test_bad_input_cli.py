@@ -116,9 +116,12 @@ BROKEN_FOLDERS = {
         (DEFAULT_MODEL / "model.safetensors").read_bytes()[:100_000])),
     "weights missing": lambda f: (f / "model.safetensors").unlink(),
     "weights a folder": lambda f: ((f / "model.safetensors").unlink(), (f / "model.safetensors").mkdir()),
-    "index without weight_map": lambda f: _write(f, "model.safetensors.index.json", '{"metadata": {}}'),
-    "index naming a missing shard": lambda f: _write(
-        f, "model.safetensors.index.json", '{"weight_map": {"model.norm.weight": "shard-9.safetensors"}}'),
+    # An index is read only without model.safetensors (as HF reads a folder): the single file goes.
+    "index without weight_map": lambda f: ((f / "model.safetensors").unlink(),
+                                           _write(f, "model.safetensors.index.json", '{"metadata": {}}')),
+    "index naming a missing shard": lambda f: ((f / "model.safetensors").unlink(), _write(
+        f, "model.safetensors.index.json", '{"weight_map": {"model.norm.weight": "shard-9.safetensors"}}')),
+    "weights under another name only": lambda f: (f / "model.safetensors").rename(f / "weights.safetensors"),
 }
 
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from helpers import budget
-from l2_paged import blocks_needed
+from l2_paged import blocks_needed, kv_positions_needed
 from l5_eviction import MODES, POLICIES, RequestTooLargeError, State, WorkItem, load_engine_model, make_engine
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, quarter_pool
 
@@ -320,7 +320,7 @@ def test_random_operations_keep_every_invariant(ops, mode, policy, chunk, waterm
         if op[0] == "add":
             _, prompt, max_new, priority, delay = op
             item = WorkItem(prompt, max_new, arrival_step=engine.now + delay, priority=priority)
-            if blocks_needed(len(prompt) + max_new, BLOCK_SIZE) > num_blocks:
+            if blocks_needed(kv_positions_needed(len(prompt), max_new), BLOCK_SIZE) > num_blocks:
                 with pytest.raises(RequestTooLargeError):
                     engine.add_request(item)
             else:

@@ -337,11 +337,21 @@ def test_preempting_a_request_that_shares_blocks_only_drops_its_references(model
     assert all(engine.alloc.ref_count[x] == 1 for x in shared)  # A still holds them: not freed, not cached
     assert not set(shared) & (set(engine.alloc.free_blocks) | set(engine.alloc.cached_free))
     check_invariants(engine)
+    real_forward, b_returns = engine.runner.forward_logits, []
+
+    def forward_logits(reqs, num_new):  # where B starts computing again, and how many tokens
+        if b in reqs and not b_returns:
+            b_returns.append((b.cur_len, num_new[reqs.index(b)]))
+        return real_forward(reqs, num_new)
+
+    engine.runner.forward_logits = forward_logits
     run_checked(engine)
     assert a.output_ids == hf_ref(a.prompt_ids, 8) and b.output_ids == hf_ref(b.prompt_ids, 8)
     if mode == "recompute":
         # B comes back with 30 tokens (prompt + 1): its first 28 are in 7 cached full blocks, 5 of
-        # them A's and 2 its own, kept as cached-free when it was preempted.
-        assert engine.prefix.prefix_hit_tokens - hits == 28
+        # them A's and 2 its own, kept as cached-free when it was preempted; it computes 2.
+        assert b_returns == [(28, 2)]
+        # Its prompt was counted at its first admission; finding it again is recompute, not a hit.
+        assert engine.prefix.prefix_hit_tokens == hits
     else:
         assert engine.preemptor.counters.bytes_swapped_in == engine.preemptor.counters.bytes_swapped_out > 0

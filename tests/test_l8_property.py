@@ -243,6 +243,9 @@ def watch_holds(engine) -> None:
         in_flight = {k for r in scheduler.running for k in pending_keys(r)}
         plan = real(now)
         in_flight |= {k for r, _ in plan if r.request_id in keys for k in pending_keys(r)}
+        # A request swapped back in by this schedule computes from the next step: holding for it
+        # is a one-step wait for a hit, as for a running request the prefill budget left out.
+        in_flight |= {k for r in scheduler.running for k in pending_keys(r)}
         for i in scheduler.held_now:
             assert set(keys[i]) & in_flight, f"request {i} held although nobody computes its prefix"
         assert all(r.held_steps <= engine.max_prefix_hold for r in engine.requests.values())

@@ -1,0 +1,287 @@
+"""Reliability of the smoke scripts and tools, second round: every exit code true, no data lost.
+
+The contract (COURSE.md): 0 every request equals HF, 1 a mismatch and only that, 2 bad input or
+environment with one line saying what to fix, 3 a bug with its traceback. Each case here is one
+the first round missed: a closed pipe, a full disk, an invalid UTF-8 prompt, a failed large
+allocation, an unwritable or corrupt emulation cache, Ctrl-C while importing, a typo'd local
+model path, a silent hub, a model folder holding more weights files than HF reads, and a student
+copy aimed at the repository itself. Most run in-process (the same `run_smoke` a script's
+`__main__` calls); the few subprocesses need no model. Provided code only: no points.
+"""
+
+from __future__ import annotations
+
+import ast
+import errno
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import harness.smoke
+from harness.smoke import DEFAULT_MODEL, resolve_model_dir
+from l1_contiguous import InputError
+from l3_block_kernel import kernel_build
+from test_bad_input_cli import ROOT, SCRIPTS, assert_one_line_error, run_in_process
+
+pytestmark = [pytest.mark.course, pytest.mark.usefixtures("one_torch_thread")]
+
+SHORT = ["--max-new-tokens", "2", "--prompt-ids", "5,6,7"]
+
+
+class _FailingStdout(io.TextIOBase):
+    """A stdout whose every write fails as a closed pipe or a full disk makes it fail."""
+
+    def __init__(self, exc: OSError):
+        self.exc = exc
+
+    def write(self, text):
+        raise self.exc
+
+    def flush(self):
+        raise self.exc
+
+
+@pytest.mark.parametrize("script", ["l1_smoke", "l5_smoke"])
+def test_a_closed_pipe_ends_quietly_with_the_verdict(script, monkeypatch, capsys):
+    """`l1_smoke.py --json | head -c 10`: the reader left; the ids still equal HF's, so exit 0."""
+    monkeypatch.setattr(sys, "stdout", _FailingStdout(BrokenPipeError(errno.EPIPE, "Broken pipe")))
+    status, err = run_in_process(script, [*SHORT, "--json"], capsys)
+    assert status == 0 and err == "", err
+
+
+def test_a_full_disk_under_stdout_is_exit_2_and_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdout", _FailingStdout(OSError(errno.ENOSPC, "No space left on device")))
+    status, err = run_in_process("l1_smoke", SHORT, capsys)
+    assert_one_line_error(status, err, "full disk")
+    assert "No space left" in err
+
+
+def test_a_full_disk_during_the_run_is_exit_2_and_one_line(monkeypatch, capsys):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/somewhere/cache")
+
+    monkeypatch.setattr(harness.smoke, "compare_with_hf", full)
+    status, err = run_in_process("l2_smoke", SHORT, capsys)
+    assert_one_line_error(status, err, "full disk")
+    assert "No space left" in err and "/somewhere/cache" in err
+
+
+def test_an_invalid_utf8_prompt_is_exit_2(capsys):
+    """Bytes that are not UTF-8 reach sys.argv as lone surrogates (b'\\xff' -> '\\udcff')."""
+    status, err = run_in_process("l1_smoke", ["--prompt", b"caf\xff".decode("utf-8", "surrogateescape"),
+                                              "--max-new-tokens", "2"], capsys)
+    assert_one_line_error(status, err, "invalid UTF-8")
+    assert "UTF-8" in err
+
+
+def test_a_failed_large_allocation_is_exit_2(capsys):
+    """torch's CPU allocator raises a plain RuntimeError when malloc fails: the user's request."""
+    status, err = run_in_process("l1_smoke", ["--cache-len", "3000000000", *SHORT], capsys)
+    assert_one_line_error(status, err, "huge cache")
+    assert "out of memory" in err
+
+
+def test_a_mismatch_is_still_exit_1_and_a_bug_still_exit_3(monkeypatch, capsys):
+    """The new mappings take nothing from 1 and 3: an OSError that is not the machine's is a bug."""
+    real = harness.smoke.compare_with_hf
+
+    def differ(setup, result):
+        for r in result.requests:
+            r.ids = [(i + 1) % setup.cfg.vocab_size for i in r.ids]
+        return real(setup, result)
+
+    monkeypatch.setattr(harness.smoke, "compare_with_hf", differ)
+    status, _ = run_in_process("l1_smoke", SHORT, capsys)
+    assert status == 1
+
+    def bug(*args, **kwargs):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "/a/bug")
+
+    monkeypatch.setattr(harness.smoke, "compare_with_hf", bug)
+    status, err = run_in_process("l1_smoke", SHORT, capsys)
+    assert status == 3 and "Traceback" in err
+
+
+# ---------------------------------------------------------------- the model folder
+
+def test_a_typo_in_a_local_model_path_is_no_such_folder(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    status, err = run_in_process("l1_smoke", ["--model", "assets/tiny-qwen3-kjvv"], capsys)
+    assert_one_line_error(status, err, "typo")
+    assert "no such folder" in err and "hub" not in err.split(";")[0]
+
+
+@pytest.mark.parametrize("arg,hub", [("Qwen/Qwen3-0.6B", True), ("assets/tiny-qwen3-kjvv", False),
+                                     ("./Qwen/Qwen3-0.6B", False), ("~/models/qwen", False),
+                                     ("/models/qwen", False), ("a/b/c", False)])
+def test_what_counts_as_a_hub_id(arg, hub, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert harness.smoke.looks_like_hub_id(arg) is hub
+
+
+def test_a_silent_hub_times_out(monkeypatch):
+    """A server that accepts the connection and never answers: the download gives up, one line."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    import huggingface_hub.constants
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted = []
+
+    def accept_and_stay_silent():
+        while True:
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:  # closed at the end of the test
+                return
+
+    threading.Thread(target=accept_and_stay_silent, daemon=True).start()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setattr(harness.smoke, "HUB_READ_TIMEOUT_S", 0.5)
+    started = time.perf_counter()
+    try:
+        with pytest.raises(InputError, match="could not fetch nobody/nothing") as exc_info:
+            resolve_model_dir("nobody/nothing")
+    finally:
+        server.close()
+        for conn in accepted:
+            conn.close()
+    assert "\n" not in str(exc_info.value)
+    assert accepted, "the hub client never connected: the timeout was not exercised"
+    assert time.perf_counter() - started < 60
+
+
+def _perturbed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t + 0.5 if t.is_floating_point() else t for name, t in tensors.items()}
+
+
+def _model_copy(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for src in DEFAULT_MODEL.iterdir():
+        (folder / src.name).symlink_to(src)
+    return folder
+
+
+def test_a_folder_with_a_single_file_and_an_index_loads_the_single_file_as_hf_does(tmp_path, capsys):
+    folder = _model_copy(tmp_path)
+    tensors = load_file(DEFAULT_MODEL / "model.safetensors")
+    save_file(_perturbed(tensors), folder / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in tensors}}
+    (folder / "model.safetensors.index.json").write_text(__import__("json").dumps(index))
+    with pytest.warns(UserWarning, match="loading model.safetensors, as transformers does"):
+        status, err = run_in_process("l1_smoke", ["--model", str(folder), *SHORT], capsys)
+    assert status == 0, err
+
+
+def test_a_stray_safetensors_file_is_not_merged_in(tmp_path, capsys):
+    folder = _model_copy(tmp_path)
+    save_file(_perturbed(load_file(DEFAULT_MODEL / "model.safetensors")), folder / "zz-extra.safetensors")
+    status, err = run_in_process("l1_smoke", ["--model", str(folder), *SHORT], capsys)
+    assert status == 0, err
+
+
+# ---------------------------------------------------------------- the L3 emulation cache
+
+def test_an_unwritable_emulation_cache_is_exit_2(monkeypatch, capsys):
+    if kernel_build.host_compiler() is None:
+        pytest.skip("backend 'emulated' needs a C++20 compiler")
+    monkeypatch.setenv("L3_EMULATION_CACHE", "/dev/null/cache")  # under a file: no folder can be made
+    kernel_build.load_emulation.cache_clear()
+    try:
+        status, err = run_in_process("l3_smoke", ["--backend", "emulated", *SHORT], capsys)
+    finally:
+        kernel_build.load_emulation.cache_clear()
+    assert_one_line_error(status, err, "unwritable cache")
+    assert "L3_EMULATION_CACHE" in err
+
+
+def test_a_corrupt_cached_emulation_library_is_rebuilt(tmp_path, monkeypatch):
+    """A library cut short (a full disk, a killed copy) must not fail every later run: it is built
+    again. The build itself is replaced by a stand-in that counts calls and writes a library that
+    loads (compiling the kernel takes tens of seconds; test_l3_smoke does it for real)."""
+    compiler = kernel_build.host_compiler()
+    if compiler is None:
+        pytest.skip("needs a C++ compiler")
+    monkeypatch.setenv("L3_EMULATION_CACHE", str(tmp_path))
+    library = kernel_build.emulation_library(compiler)
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"\x7fELF cut short")
+    stand_in = tmp_path / "stand_in.c"
+    stand_in.write_text("".join(f"void {name}(void) {{}}\n" for name in
+                                ("l3_emulated_paged_attention", "l3_emulated_to_16bit", "l3_emulated_from_16bit")))
+    builds = []
+
+    def compile_into(compiler, target):
+        builds.append(target)
+        subprocess.run([compiler, "-x", "c", "-shared", "-fPIC", str(stand_in), "-o", str(target)], check=True)
+
+    monkeypatch.setattr(kernel_build, "_compile_into", compile_into)
+    kernel_build.load_emulation.cache_clear()
+    try:
+        lib = kernel_build.load_emulation()
+    finally:
+        kernel_build.load_emulation.cache_clear()
+    assert builds == [library] and lib.l3_emulated_paged_attention is not None
+
+
+# ---------------------------------------------------------------- Ctrl-C while starting
+
+def test_ctrl_c_while_importing_is_one_line_and_exit_2():
+    """The guard every smoke script puts around its imports, hit by a real SIGINT."""
+    code = ("import os, signal, sys, time\nsys.path.insert(0, %r)\nfrom harness.cli import starting\n"
+            "with starting():\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(30)\n" % str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == ["error: interrupted (Ctrl-C) while starting; nothing was run"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_smoke_script_imports_torch_and_the_lessons_under_the_guard(script):
+    tree = ast.parse((ROOT / "scripts" / f"{script}.py").read_text())
+    guarded = [node for node in tree.body if isinstance(node, ast.With)
+               and ast.unparse(node.items[0].context_expr) == "starting()"]
+    assert len(guarded) == 1, "wrap the heavy imports in `with starting():`"
+    heavy_names = ("torch", "harness.smoke", "l1_", "l2_", "l3_", "l5_", "l8_")
+    heavy = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+             and any(name in ast.unparse(node) for name in heavy_names)]
+    assert not heavy, f"imported outside the guard: {[ast.unparse(n) for n in heavy]}"
+
+
+# ---------------------------------------------------------------- the student copy
+
+def _student_copy(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/make_student_copy.py", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("dest", ["lessons", "l2_paged", ".git", "tests/copy", "."])
+def test_make_student_copy_refuses_a_destination_inside_the_repository(dest):
+    before = sorted(p.name for p in (ROOT / "lessons").iterdir())
+    done = _student_copy(dest, "--force")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
+    assert "repository" in done.stderr
+    assert sorted(p.name for p in (ROOT / "lessons").iterdir()) == before
+    assert not (ROOT / "tests" / "copy").exists()
+
+
+def test_make_student_copy_force_deletes_only_a_copy_it_made(tmp_path):
+    mine = tmp_path / "someone-else"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    done = _student_copy(str(mine), "--force")
+    assert done.returncode == 2 and "not a student copy" in done.stderr and done.stderr.count("\n") == 1
+    assert (mine / "thesis.tex").read_text() == "years of work"
