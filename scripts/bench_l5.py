@@ -110,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"requests in the workload (default {WORKLOAD_SHAPE.requests})")
     p.add_argument("--skip-0.6b", dest="skip_06b", action="store_true",
                    help="leave out the Qwen3-0.6B-shaped random model")
+    p.add_argument("--only-0.6b", dest="only_06b", action="store_true",
+                   help="leave out the --model run (HF continuous then uses --hf-batch-tokens, 512 for auto)")
     p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=4,
                    help=f"layers of the 0.6B-shaped model (default 4 of its {QWEN3_0_6B['num_hidden_layers']})")
     p.add_argument("--repeat-0.6b", dest="repeat_06b", type=int, default=1,
@@ -471,9 +473,13 @@ def main(argv=None) -> int:
               "load average": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     print(" · ".join(f"{key} {value}" for key, value in header.items()))
     shape = Shape(args.requests, WORKLOAD_SHAPE.prompt_lens, WORKLOAD_SHAPE.output_lens)
-    results = [bench_model(model_dir.name, model_dir, make_workload(shape, cfg.vocab_size, args.seed), s, candidates)]
+    results = []
+    if not args.only_06b:
+        results.append(bench_model(model_dir.name, model_dir, make_workload(shape, cfg.vocab_size, args.seed), s,
+                                   candidates))
     if not args.skip_06b:  # HF's budget: what the sweep chose on the first model (sweeping here costs minutes)
-        chosen = int(results[0]["hf_settings"].split("max_batch_tokens ")[1].split(",")[0])
+        chosen = (int(results[0]["hf_settings"].split("max_batch_tokens ")[1].split(",")[0]) if results
+                  else 512 if args.hf_batch_tokens == "auto" else candidates[0])
         results.append(bench_06b(args, shape, s, chosen))
     if args.markdown:
         command = bench_command("bench_l5.py", argv if argv is not None else sys.argv[1:])
