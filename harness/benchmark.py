@@ -194,6 +194,7 @@ class ServeRun:
     setup_s: float  # building the engine / manager (and its KV pool), not in serve_s
     teardown_s: float  # stopping it, not in serve_s
     engine: object = None  # the course engine after the run (its counters); None for HF
+    steps: list | None = None  # the course engine's [StepShape, seconds] per step, where recorded
 
     @property
     def ttft_mean_s(self) -> float:
