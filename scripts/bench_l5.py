@@ -30,11 +30,20 @@ Two models, the same workload shape: the one given by --model (default: the embe
 every system above, and a random model with Qwen3-0.6B's shapes (hidden 1024, 16 / 8 heads of 128,
 vocabulary 151936) and --layers-0.6b of its 28 layers (default 4; made in-process, nothing
 downloaded), with the first three systems only (--full-0.6b: all of them) and --repeat-0.6b
-rounds. --skip-0.6b leaves it out. --markdown PATH rewrites the `bench_l5` section of PATH.
+rounds. --skip-0.6b leaves it out, --only-0.6b runs it alone. --markdown PATH rewrites the
+`bench_l5` section of PATH.
+
+Every table has a floor column: the sum over a system's steps of max(bytes it must read / read
+bandwidth, FLOPs it must do / matmul rate), both constants measured in the same run
+(harness.benchmark), and "% of floor" = floor / measured time. The L5 engine's steps are recorded
+as it runs (its decode-only steps and those with prefill rows are then compared with their floor
+apart); HF batched's are counted from its padded shape; HF continuous's are not visible, and its
+floor is that of the L5 engine's steps.
 
     python scripts/bench_l5.py                          # both models; cuda bf16 if present, else cpu fp32
     python scripts/bench_l5.py --skip-0.6b --requests 64 --json bench_l5.json
     python scripts/bench_l5.py --device cuda --full-0.6b --repeat-0.6b 3
+    python scripts/bench_l5.py --only-0.6b --layers-0.6b 28      # all 28 layers (tens of minutes on 2 cores)
 """
 
 from __future__ import annotations
