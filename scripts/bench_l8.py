@@ -22,7 +22,10 @@ Systems:
                       one untimed run each, printed) unless a single value is given
 Every system runs the workload once untimed, then --repeat rounds in turns (alternating, so load
 coming and going on a shared machine hits all alike); the best round per system is reported, and
-every request's ids are compared with HF's (sharing on) ones.
+every request's ids are compared with HF's (sharing on) ones. "floor s": the sum over a system's
+steps of max(bytes / read bandwidth, FLOPs / matmul rate), constants measured in the same run
+(harness.benchmark); our engines' steps are recorded as they run, HF's are not visible and its
+floor is that of our engine with the same sharing.
 
 A Qwen3-0.6B-shaped random model with --layers-0.6b layers (default 4; weights made in-process,
 nothing downloaded) runs the burst with --requests-0.6b requests (default 16), --repeat-0.6b rounds,

@@ -54,7 +54,7 @@ class StepBench:
 
     def __init__(self, model, context: int, calls: int):
         cfg, rng = model.config, random.Random(0)
-        decode_len = context + calls * 2 + 1
+        decode_len = context + calls * 2 * len(DECODE_ROWS) + 1  # every decode point, both heads
         prefill_len = calls * 2 * sum(PREFILL_ROWS) + 1
         lengths = [decode_len] * max(DECODE_ROWS) + [prefill_len]
         tokens = sum(lengths) + 16 * len(lengths)
@@ -63,8 +63,10 @@ class StepBench:
                                  BlockAllocator(pool_blocks, 16))
         self.reqs = [EngineRequest([rng.randrange(cfg.vocab_size) for _ in range(n)], 1, request_id=i)
                      for i, n in enumerate(lengths)]
-        for req in self.reqs[:-1]:  # each decoding request: `context` tokens cached
-            self.runner.forward_logits([req], [context])
+        per_forward = max(1, 256 // context)  # each decoding request: `context` tokens cached
+        for i in range(0, max(DECODE_ROWS), per_forward):
+            group = self.reqs[i:min(i + per_forward, max(DECODE_ROWS))]
+            self.runner.forward_logits(group, [context] * len(group))
 
     def run(self, kind: str, rows: int) -> StepShape:
         reqs, num_new = (self.reqs[:rows], [1] * rows) if kind == "decode" else ([self.reqs[-1]], [rows])
