@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     print_table(rows)
     if not args.no_plot:
         draw(table, cost, machine, heads, args.plot,
-             f"One L5 step, Qwen3-0.6B shape ({args.layers} layers), fp32, {torch.get_num_threads()} CPU threads")
+             f"One L5 step, Qwen3-0.6B shape ({args.layers} layers), fp32, {torch.get_num_threads()} CPU thread(s), "
+             f"load {load_average().split()[0]}")
     return 0
 
 
