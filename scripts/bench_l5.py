@@ -446,7 +446,8 @@ def markdown(results: list[dict], command: str, load_at_start: str) -> str:
                 f"{r['requests']} requests, {r['prompt_tokens']} prompt tokens, {r['new_tokens']} new tokens, "
                 f"demand {r['demand_blocks']} blocks; {r['repeat']} round(s). HF continuous: {r['hf_settings']}"
                 + (" (sweep, one run each: " + ", ".join(f"{v} → {t:.2f} s" for v, t in r["hf_sweep"]) + ")"
-                   if len(r["hf_sweep"]) > 1 else " (chosen by the sweep on the first model)") + ".", "",
+                   if len(r["hf_sweep"]) > 1 else f" ({r.get('hf_chosen_by', 'chosen by the sweep on the first model')})")
+                + ".", "",
                 markdown_table(r["rows"], MD_COLUMNS), "",
                 f"Floor: the sum over a system's steps of max(bytes / bandwidth, FLOPs / rate), with this machine's "
                 f"{r['machine']['read_bytes_per_s'] / 1e9:.1f} GB/s and {r['machine']['matmul_flops_per_s'] / 1e9:.0f} "
@@ -490,6 +491,9 @@ def main(argv=None) -> int:
         chosen = (int(results[0]["hf_settings"].split("max_batch_tokens ")[1].split(",")[0]) if results
                   else 512 if args.hf_batch_tokens == "auto" else candidates[0])
         results.append(bench_06b(args, shape, s, chosen))
+        if args.only_06b:
+            results[-1]["hf_chosen_by"] = ("given by --hf-batch-tokens" if args.hf_batch_tokens != "auto"
+                                           else "512: --only-0.6b runs no sweep")
     if args.markdown:
         command = bench_command("bench_l5.py", argv if argv is not None else sys.argv[1:])
         replace_section(args.markdown, "bench_l5", markdown(results, command, header["load average"]))

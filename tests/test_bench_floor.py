@@ -5,12 +5,14 @@ unchanged, and the head's logits equal `nn.Linear`'s within the HF tolerance."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from harness.benchmark import Machine, ModelCost, StepShape, padded_batch_steps, record_steps
-from helpers import hf_ids, random_prompt
+from helpers import hf_ids, load_script, random_prompt
 from l1_contiguous import load_config
 from l5_eviction import WorkItem, load_engine_model, make_engine
 from l5_eviction.head import OneDnnHead
@@ -74,3 +76,19 @@ def test_onednn_head_matches_the_linear_and_keeps_the_tied_weight(make_model):
     with torch.inference_mode():
         torch.testing.assert_close(fast.lm_head(x), plain.lm_head(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fast.lm_head(x[::3]), plain.lm_head(x[::3]), rtol=1e-5, atol=1e-5)
+
+
+def test_bench_l5_prints_a_floor_for_every_system(tmp_path, tiny_model_dir):
+    bench = load_script("bench_l5")
+    out = tmp_path / "b.json"
+    argv = ["--model", str(tiny_model_dir), "--skip-0.6b", "--requests", "4", "--repeat", "1", "--hf-batch-tokens", "64",
+            "--json", str(out)]
+    assert bench.main(argv) == 0
+    model = json.loads(out.read_text())["models"][0]
+    floor = {row["system"]: row["floor s"] for row in model["rows"] if "floor s" in row}
+    assert len(floor) >= 8 and all(f > 0 for f in floor.values())
+    # the padded batch computes every row to the longest prompt and output: more work than the engine's
+    assert floor["HF batched"] > floor["L5 engine"]
+    steps = model["l5_steps"]
+    assert sum(s["rows"] for s in steps) == sum(p + n - 1 for p, n in model["lengths"])
+    assert {k["kind"] for k in model["step_kinds"]} == {"decode only", "with prefill"}
