@@ -194,6 +194,7 @@ class ServeRun:
     setup_s: float  # building the engine / manager (and its KV pool), not in serve_s
     teardown_s: float  # stopping it, not in serve_s
     engine: object = None  # the course engine after the run (its counters); None for HF
+    steps: list | None = None  # the course engine's [StepShape, seconds] per step, where recorded
 
     @property
     def ttft_mean_s(self) -> float:
@@ -392,3 +393,131 @@ def parse_batch_tokens(spec: str, auto: list[int]) -> list[int]:
     if min(values) < 1:
         raise InputError("--hf-batch-tokens values must be at least 1")
     return values
+
+
+# ---------------------------------------------------------------- the floor of a step
+# A step must read every weight once (and the K/V it attends to) and do its matrix products; it can
+# take no less than the larger of the two times on this machine:
+#
+#     floor(step) = max(bytes it must read / read bandwidth, FLOPs it must do / matmul rate)
+#
+# and a run's floor is the sum over its steps. Both constants are measured in the same run as the
+# systems they bound (`measure_machine`), so a loaded machine lowers the floor's constants and the
+# systems' speed alike. Activations, softmax and norms are left out: they are small next to these.
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one forward computes: enough to count its bytes and FLOPs."""
+
+    rows: int  # tokens run through every layer
+    logit_rows: int  # rows the output head runs on (one per request)
+    keys: int  # attention: the sum over rows of the keys each row reads
+    kv_tokens: int  # tokens whose K/V the step reads or writes (each once)
+
+    @classmethod
+    def of_requests(cls, spans: list[tuple[int, int]]) -> "StepShape":
+        """spans: (cached tokens, new tokens) per request of the step."""
+        return cls(rows=sum(n for _, n in spans), logit_rows=len(spans),
+                   keys=sum(n * c + n * (n + 1) // 2 for c, n in spans), kv_tokens=sum(c + n for c, n in spans))
+
+
+def padded_batch_steps(prompt_lens: list[int], new_tokens: int) -> list[StepShape]:
+    """The steps of a left-padded batched `generate`: every row is as long as the longest prompt,
+    and runs to `new_tokens` (padding and finished rows are computed like the others)."""
+    rows, width = len(prompt_lens), max(prompt_lens)
+    steps = [StepShape.of_requests([(0, width)] * rows)]
+    return steps + [StepShape.of_requests([(width + j - 1, 1)] * rows) for j in range(1, new_tokens)]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """This machine's constants, measured now."""
+
+    read_bytes_per_s: float  # summing a tensor larger than the caches
+    matmul_flops_per_s: float  # the best of the model's MLP product at a few row counts
+
+    def line(self) -> str:
+        return (f"read bandwidth {self.read_bytes_per_s / 1e9:.1f} GB/s, "
+                f"matmul {self.matmul_flops_per_s / 1e9:.0f} GFLOP/s")
+
+
+def measure_machine(cfg, dtype=torch.float32, rows=(64, 256), repeat: int = 5, read_mib: int = 512) -> Machine:
+    """Read bandwidth (best of `repeat` sums of `read_mib` MiB) and the matmul rate of the model's
+    MLP up-projection ([rows, hidden] x [intermediate, hidden]) at each of `rows`, best kept."""
+    import torch.nn.functional as F
+
+    data = torch.ones(read_mib * 2**20 // dtype.itemsize, dtype=dtype)
+    read_s = timed(data.sum, repeat, 1).best
+    weight = torch.randn(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+    rate = 0.0
+    for n in rows:
+        x = torch.randn(n, cfg.hidden_size, dtype=dtype)
+        rate = max(rate, 2 * n * weight.numel() / timed(lambda: F.linear(x, weight), repeat, 1).best)
+    return Machine(data.numel() * dtype.itemsize / read_s, rate)
+
+
+def best_of(*machines: Machine) -> Machine:
+    """The fastest constants seen: the floor must stay a bound when load slowed one measurement."""
+    return Machine(max(m.read_bytes_per_s for m in machines), max(m.matmul_flops_per_s for m in machines))
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Bytes and FLOPs of a step of one model, counted from its config."""
+
+    weight_bytes: int  # every layer's weights and the head, read once per step
+    row_bytes: int  # one embedding row, read per token
+    kv_bytes_per_token: int  # K and V of one token, all layers
+    flops_per_row: int  # 2 x the layers' matmul weights (one multiply-add each)
+    head_flops_per_row: int
+    flops_per_key: int  # attention: q.k and p.v for every head of every layer
+
+    @classmethod
+    def of(cls, cfg, itemsize: int) -> "ModelCost":
+        h, d = cfg.hidden_size, cfg.head_dim
+        attn = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)  # q, o; k, v
+        layer_matmul = attn + 3 * h * cfg.intermediate_size
+        layer_params = layer_matmul + 2 * h + 2 * d  # + the two RMSNorms and q_norm/k_norm
+        head = cfg.vocab_size * h
+        return cls(weight_bytes=itemsize * (cfg.num_hidden_layers * layer_params + head + h), row_bytes=itemsize * h,
+                   kv_bytes_per_token=cfg.kv_bytes_per_token(itemsize),
+                   flops_per_row=2 * cfg.num_hidden_layers * layer_matmul, head_flops_per_row=2 * head,
+                   flops_per_key=4 * cfg.num_hidden_layers * cfg.num_attention_heads * d)
+
+    def bytes(self, s: StepShape) -> int:
+        return self.weight_bytes + s.rows * self.row_bytes + s.kv_tokens * self.kv_bytes_per_token
+
+    def flops(self, s: StepShape) -> int:
+        return s.rows * self.flops_per_row + s.logit_rows * self.head_flops_per_row + s.keys * self.flops_per_key
+
+    def floor_s(self, s: StepShape, machine: Machine) -> float:
+        return max(self.bytes(s) / machine.read_bytes_per_s, self.flops(s) / machine.matmul_flops_per_s)
+
+    def run_floor_s(self, steps: list[StepShape], machine: Machine) -> float:
+        return sum(self.floor_s(s, machine) for s in steps)
+
+
+def record_steps(engine) -> list[list]:
+    """Make a course engine log [StepShape, seconds] for each step it runs (in the returned list).
+
+    Its runner's `forward_logits` is wrapped to note the step's shape, and `step` to time the whole
+    step (scheduling and sampling included); the engine's behaviour is unchanged.
+    """
+    log: list[list] = []
+    forward, step = engine.runner.forward_logits, engine.step
+
+    def forward_logits(reqs, num_new):
+        log.append([StepShape.of_requests([(r.cur_len, n) for r, n in zip(reqs, num_new)]), None])
+        return forward(reqs, num_new)
+
+    def timed_step():
+        start = time.perf_counter()
+        record = step()
+        _sync(getattr(engine.model, "device", None))
+        if log and log[-1][1] is None:
+            log[-1][1] = time.perf_counter() - start
+        return record
+
+    engine.runner.forward_logits, engine.step = forward_logits, timed_step
+    return log

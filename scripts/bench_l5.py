@@ -30,11 +30,20 @@ Two models, the same workload shape: the one given by --model (default: the embe
 every system above, and a random model with Qwen3-0.6B's shapes (hidden 1024, 16 / 8 heads of 128,
 vocabulary 151936) and --layers-0.6b of its 28 layers (default 4; made in-process, nothing
 downloaded), with the first three systems only (--full-0.6b: all of them) and --repeat-0.6b
-rounds. --skip-0.6b leaves it out. --markdown PATH rewrites the `bench_l5` section of PATH.
+rounds. --skip-0.6b leaves it out, --only-0.6b runs it alone. --markdown PATH rewrites the
+`bench_l5` section of PATH.
+
+Every table has a floor column: the sum over a system's steps of max(bytes it must read / read
+bandwidth, FLOPs it must do / matmul rate), both constants measured in the same run
+(harness.benchmark), and "% of floor" = floor / measured time. The L5 engine's steps are recorded
+as it runs (its decode-only steps and those with prefill rows are then compared with their floor
+apart); HF batched's are counted from its padded shape; HF continuous's are not visible, and its
+floor is that of the L5 engine's steps.
 
     python scripts/bench_l5.py                          # both models; cuda bf16 if present, else cpu fp32
     python scripts/bench_l5.py --skip-0.6b --requests 64 --json bench_l5.json
     python scripts/bench_l5.py --device cuda --full-0.6b --repeat-0.6b 3
+    python scripts/bench_l5.py --only-0.6b --layers-0.6b 28      # all 28 layers (tens of minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ import sys
 import tempfile
 import time
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -58,9 +67,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (parse_batch_tokens, ServeRun, bench_command, bench_parser, hf_continuous_config, hf_generate, machine_line, markdown_table,  # noqa: E402
-                               print_table, replace_section, serve_engine, serve_hf_continuous, timed,
-                               tokens_per_s)
+from harness.benchmark import (Machine, ModelCost, ServeRun, StepShape, bench_command, bench_parser,  # noqa: E402
+                               hf_continuous_config, hf_generate, load_average, machine_line, markdown_table,
+                               best_of, measure_machine, padded_batch_steps, parse_batch_tokens, print_table, record_steps,
+                               replace_section, serve_engine, serve_hf_continuous, timed, tokens_per_s)
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
@@ -109,6 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"requests in the workload (default {WORKLOAD_SHAPE.requests})")
     p.add_argument("--skip-0.6b", dest="skip_06b", action="store_true",
                    help="leave out the Qwen3-0.6B-shaped random model")
+    p.add_argument("--only-0.6b", dest="only_06b", action="store_true",
+                   help="leave out the --model run (HF continuous then uses --hf-batch-tokens, 512 for auto)")
     p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=4,
                    help=f"layers of the 0.6B-shaped model (default 4 of its {QWEN3_0_6B['num_hidden_layers']})")
     p.add_argument("--repeat-0.6b", dest="repeat_06b", type=int, default=1,
@@ -145,9 +157,12 @@ def demand_blocks(items: list[WorkItem], block_size: int) -> int:
 
 
 def l5_runner(model, items, num_blocks: int, s: Settings, mode: str = "recompute"):
+    step_logs = []  # one per engine made: [StepShape, seconds] per step
+
     def make():
         engine = make_engine(model, num_blocks, s.block_size, preempt=mode, prefill_chunk=s.prefill_chunk)
         engine.eos_ids = set()  # exactly max_new_tokens per request, as in the HF runs
+        step_logs.append(record_steps(engine))
         return engine
 
     def run(last: dict):
@@ -155,7 +170,7 @@ def l5_runner(model, items, num_blocks: int, s: Settings, mode: str = "recompute
             served = timed_engine_run(make, items)
         else:
             served = serve_engine(make, items, [0.0] * len(items))
-        last["engine"], last["served"] = served.engine, served
+        last["engine"], last["served"], last["steps"] = served.engine, served, step_logs.pop()
         return served.ids
     return run
 
@@ -173,6 +188,7 @@ def timed_engine_run(make, items):
 
 def hf_batched_runner(hf_model, items):
     def run(last: dict):
+        last["steps"] = padded_batch_steps([len(w.prompt_ids) for w in items], max(w.max_new_tokens for w in items))
         outs = hf_generate(hf_model, [w.prompt_ids for w in items], max(w.max_new_tokens for w in items),
                            batched=True)
         return [out[:w.max_new_tokens] for out, w in zip(outs, items)]
@@ -182,7 +198,15 @@ def hf_batched_runner(hf_model, items):
 def hf_waves_runner(hf_model, waves: list[list[WorkItem]]):
     """Static batching of requests that arrive in waves: one batch per wave, one after another."""
     batches = [hf_batched_runner(hf_model, wave) for wave in waves]
-    return lambda last: [ids for run in batches for ids in run(last)]
+
+    def run(last: dict):
+        ids, steps = [], []
+        for batch in batches:
+            ids += batch(last)
+            steps += last["steps"]
+        last["steps"] = steps
+        return ids
+    return run
 
 
 def in_waves(items: list[WorkItem], num_waves: int) -> list[list[WorkItem]]:
@@ -260,8 +284,9 @@ def systems_for(ours, theirs, items, s: Settings, hf_batch_tokens: int,
 def time_rounds(systems: dict, warm_up: dict, repeat: int, device: str) -> tuple[dict, dict, dict, dict]:
     """Each of `warm_up` once, then `repeat` rounds running every system once.
 
-    -> seconds (serving only, where the system reports it), ids, engines, the best round's ServeRun."""
-    seconds, ids, engines, served = {name: [] for name in systems}, {}, {}, {}
+    -> seconds (serving only, where the system reports it), ids, engines, the best round's ServeRun,
+    and the steps of each system's best round (StepShape and seconds; HF: shapes only, seconds None)."""
+    seconds, ids, engines, served, steps = {name: [] for name in systems}, {}, {}, {}, {}
     with torch.inference_mode():
         for system in warm_up.values():
             system.run({})
@@ -274,16 +299,19 @@ def time_rounds(systems: dict, warm_up: dict, repeat: int, device: str) -> tuple
                 seconds[name].append(run.serve_s if run else t.best)
                 if run and (name not in served or run.serve_s <= min(seconds[name])):
                     served[name] = run
+                if seconds[name][-1] <= min(seconds[name]):
+                    steps[name] = last.get("steps")
             print(f"  round {round_}/{repeat} done", flush=True)
-    return seconds, ids, engines, served
+    return seconds, ids, engines, served, steps
 
 
-def table_rows(systems, seconds, ids, engines, served, tokens: int, num_requests: int) -> list[dict]:
+def table_rows(systems, seconds, ids, engines, served, floors: dict, tokens: int, num_requests: int) -> list[dict]:
     rows = []
     for name, system in systems.items():
         best = min(seconds[name])
         row = {"system": name, "pool %": system.pool, "mode": system.mode, "tokens": tokens, "best s": best,
-               "median s": statistics.median(seconds[name]), "tok/s": tokens_per_s(tokens, best)}
+               "median s": statistics.median(seconds[name]), "tok/s": tokens_per_s(tokens, best),
+               "floor s": floors[name], "% of floor": 100 * floors[name] / best}
         if name in served:
             run = served[name]
             row["TTFT mean ms"] = None if math.isnan(run.ttft_mean_s) else 1e3 * run.ttft_mean_s
@@ -302,7 +330,8 @@ def table_rows(systems, seconds, ids, engines, served, tokens: int, num_requests
     return rows
 
 
-COLUMNS = ["system", "pool %", "mode", "tokens", "best s", "median s", "tok/s", "x base", "TTFT mean ms",
+COLUMNS = ["system", "pool %", "mode", "tokens", "best s", "median s", "tok/s", "x base", "floor s", "% of floor",
+           "TTFT mean ms",
            "set-up s", "teardown s", "preemptions", "recomputed", "swapped MiB", "same ids"]
 
 
@@ -324,20 +353,63 @@ def bench_model(label: str, model_dir: Path, items: list[WorkItem], s: Settings,
               + ", ".join(f"{v}: {t:.2f} s" for v, t in tried) + f" -> {hf_batch_tokens}")
     systems, why_not = systems_for(ours, theirs, items, s, hf_batch_tokens, full)
     warm_up, _ = systems_for(ours, theirs, items[:WARM_UP_REQUESTS], s, hf_batch_tokens, full)
-    seconds, ids, engines, served = time_rounds(systems, warm_up, s.repeat, s.device)
-    rows = table_rows(systems, seconds, ids, engines, served, tokens, len(items))
+    before = measure_machine(cfg, s.dtype)
+    seconds, ids, engines, served, steps = time_rounds(systems, warm_up, s.repeat, s.device)
+    machine = best_of(before, measure_machine(cfg, s.dtype))  # before and after the rounds: load varies
+    print(f"this machine: {machine.line()} (best of before and after the rounds; load average {load_average()})")
+    cost = ModelCost.of(cfg, s.dtype.itemsize)
+    # HF continuous's own steps are not visible from outside: its floor is that of the same
+    # requests scheduled as the L5 engine schedules them (no padding; its own step count may differ).
+    steps["HF continuous"] = steps.get("HF continuous") or steps["L5 engine"]
+    floors = {name: cost.run_floor_s([shape for shape, _ in _shapes(steps[name])], machine) for name in systems}
+    rows = table_rows(systems, seconds, ids, engines, served, floors, tokens, len(items))
+    step_kinds = step_kind_rows(steps["L5 engine"], cost, machine)
     if why_not:
         rows.append({"system": "HF continuous", "mode": why_not})
     print()
     print_table(rows, COLUMNS, floatfmt=".2f")
     print(f"x base: tok/s over HF batched's (over HF batched, {WAVES} waves' for the wave rows); "
-          "same ids: requests whose ids equal the L5 engine's at full pool")
+          "same ids: requests whose ids equal the L5 engine's at full pool; floor s: the sum over the "
+          "system's steps of max(bytes / bandwidth, FLOPs / matmul rate), with " + machine.line())
+    print("\nL5 engine's steps (its best round) against their floor:")
+    print_table(step_kinds, STEP_COLUMNS, floatfmt=".2f")
     return {"label": label, "model": str(model_dir), "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
             "vocab": cfg.vocab_size, "prompt_tokens": sum(len(w.prompt_ids) for w in items),
             "requests": len(items), "new_tokens": tokens, "demand_blocks": demand, "repeat": s.repeat,
             "hf_settings": f"page_size {s.block_size}, num_blocks {demand} (1.0x the L5 pool), max_batch_tokens "
                            f"{hf_batch_tokens}, allow_block_sharing False", "hf_sweep": tried,
-            "lengths": [[len(w.prompt_ids), w.max_new_tokens] for w in items], "rows": rows}
+            "lengths": [[len(w.prompt_ids), w.max_new_tokens] for w in items], "rows": rows,
+            "machine": {"read_bytes_per_s": machine.read_bytes_per_s, "matmul_flops_per_s": machine.matmul_flops_per_s,
+                        "load average": load_average()},
+            "step_kinds": step_kinds,
+            "l5_steps": [{**asdict(shape), "seconds": sec, "floor_s": cost.floor_s(shape, machine)}
+                         for shape, sec in steps["L5 engine"]]}
+
+
+def _shapes(steps: list) -> list:
+    """[(StepShape, seconds or None)] from an L5 step log ([shape, seconds]) or HF's shapes."""
+    return [(s, None) if isinstance(s, StepShape) else tuple(s) for s in steps]
+
+
+STEP_COLUMNS = ["steps", "kind", "rows per step", "measured s", "floor s", "% of floor", "bound by"]
+
+
+def step_kind_rows(log: list, cost: ModelCost, machine: Machine) -> list[dict]:
+    """The L5 engine's steps in two kinds, decode-only and with prefill rows: time vs floor."""
+    rows = []
+    for kind, pick in (("decode only", lambda s: s.rows == s.logit_rows), ("with prefill", lambda s: s.rows > s.logit_rows)):
+        part = [(s, sec) for s, sec in _shapes(log) if pick(s)]
+        if not part:
+            continue
+        floor = sum(cost.floor_s(s, machine) for s, _ in part)
+        measured = sum(sec for _, sec in part)
+        memory = sum(cost.bytes(s) / machine.read_bytes_per_s >= cost.flops(s) / machine.matmul_flops_per_s
+                     for s, _ in part)
+        rows.append({"steps": len(part), "kind": kind,
+                     "rows per step": f"{min(s.rows for s, _ in part)}-{max(s.rows for s, _ in part)}",
+                     "measured s": measured, "floor s": floor, "% of floor": 100 * floor / measured,
+                     "bound by": f"memory in {memory}/{len(part)}"})
+    return rows
 
 
 def bench_06b(args, shape: Shape, s: Settings, hf_batch_tokens: int) -> dict:
@@ -356,7 +428,7 @@ def batch_tokens(args) -> list[int]:
     return parse_batch_tokens(args.hf_batch_tokens, [args.prefill_chunk + args.requests, 512, 1024])
 
 
-MD_COLUMNS = ["system", "pool %", "best s", "median s", "tok/s", "x base", "TTFT mean ms", "set-up s", "teardown s",
+MD_COLUMNS = ["system", "pool %", "best s", "median s", "tok/s", "x base", "floor s", "% of floor", "TTFT mean ms", "set-up s", "teardown s",
               "preemptions", "recomputed", "swapped MiB", "same ids"]
 
 
@@ -374,8 +446,14 @@ def markdown(results: list[dict], command: str, load_at_start: str) -> str:
                 f"{r['requests']} requests, {r['prompt_tokens']} prompt tokens, {r['new_tokens']} new tokens, "
                 f"demand {r['demand_blocks']} blocks; {r['repeat']} round(s). HF continuous: {r['hf_settings']}"
                 + (" (sweep, one run each: " + ", ".join(f"{v} → {t:.2f} s" for v, t in r["hf_sweep"]) + ")"
-                   if len(r["hf_sweep"]) > 1 else " (chosen by the sweep on the first model)") + ".", "",
-                markdown_table(r["rows"], MD_COLUMNS), ""]
+                   if len(r["hf_sweep"]) > 1 else f" ({r.get('hf_chosen_by', 'chosen by the sweep on the first model')})")
+                + ".", "",
+                markdown_table(r["rows"], MD_COLUMNS), "",
+                f"Floor: the sum over a system's steps of max(bytes / bandwidth, FLOPs / rate), with this machine's "
+                f"{r['machine']['read_bytes_per_s'] / 1e9:.1f} GB/s and {r['machine']['matmul_flops_per_s'] / 1e9:.0f} "
+                "GFLOP/s measured in the same run (HF continuous: the L5 engine's steps, its own are not visible). "
+                "The L5 engine's steps:", "",
+                markdown_table(r["step_kinds"], STEP_COLUMNS), ""]
     return "\n".join(out)
 
 
@@ -405,10 +483,17 @@ def main(argv=None) -> int:
               "load average": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     print(" · ".join(f"{key} {value}" for key, value in header.items()))
     shape = Shape(args.requests, WORKLOAD_SHAPE.prompt_lens, WORKLOAD_SHAPE.output_lens)
-    results = [bench_model(model_dir.name, model_dir, make_workload(shape, cfg.vocab_size, args.seed), s, candidates)]
+    results = []
+    if not args.only_06b:
+        results.append(bench_model(model_dir.name, model_dir, make_workload(shape, cfg.vocab_size, args.seed), s,
+                                   candidates))
     if not args.skip_06b:  # HF's budget: what the sweep chose on the first model (sweeping here costs minutes)
-        chosen = int(results[0]["hf_settings"].split("max_batch_tokens ")[1].split(",")[0])
+        chosen = (int(results[0]["hf_settings"].split("max_batch_tokens ")[1].split(",")[0]) if results
+                  else 512 if args.hf_batch_tokens == "auto" else candidates[0])
         results.append(bench_06b(args, shape, s, chosen))
+        if args.only_06b:
+            results[-1]["hf_chosen_by"] = ("given by --hf-batch-tokens" if args.hf_batch_tokens != "auto"
+                                           else "512: --only-0.6b runs no sweep")
     if args.markdown:
         command = bench_command("bench_l5.py", argv if argv is not None else sys.argv[1:])
         replace_section(args.markdown, "bench_l5", markdown(results, command, header["load average"]))

@@ -22,7 +22,10 @@ Systems:
                       one untimed run each, printed) unless a single value is given
 Every system runs the workload once untimed, then --repeat rounds in turns (alternating, so load
 coming and going on a shared machine hits all alike); the best round per system is reported, and
-every request's ids are compared with HF's (sharing on) ones.
+every request's ids are compared with HF's (sharing on) ones. "floor s": the sum over a system's
+steps of max(bytes / read bandwidth, FLOPs / matmul rate), constants measured in the same run
+(harness.benchmark); our engines' steps are recorded as they run, HF's are not visible and its
+floor is that of our engine with the same sharing.
 
 A Qwen3-0.6B-shaped random model with --layers-0.6b layers (default 4; weights made in-process,
 nothing downloaded) runs the burst with --requests-0.6b requests (default 16), --repeat-0.6b rounds,
@@ -50,8 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (parse_batch_tokens, bench_command, bench_parser, hf_continuous_config, load_average,  # noqa: E402
-                               machine_line, markdown_table, print_table, replace_section, serve_engine,
+from harness.benchmark import (Machine, ModelCost, bench_command, bench_parser, best_of,  # noqa: E402
+                               hf_continuous_config, load_average, machine_line, markdown_table, measure_machine,
+                               parse_batch_tokens, print_table, record_steps, replace_section, serve_engine,
                                serve_hf_continuous)
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
@@ -117,12 +121,20 @@ def make_workload(requests: int, args, vocab_size: int) -> list[WorkItem]:
 
 
 def ours(model, num_blocks: int, args, backend: str, sharing: bool, **engine_kwargs):
+    step_logs = []
+
     def make():
         engine = make_prefix_engine(model, num_blocks, args.block_size, prefix_sharing=sharing, backend=backend,
                                     **engine_kwargs)
         engine.eos_ids = set()  # exactly max_new_tokens each, as HF with EOS off
+        step_logs.append(record_steps(engine))
         return engine
-    return lambda items, offsets: serve_engine(make, items, offsets)
+
+    def run(items, offsets):
+        served = serve_engine(make, items, offsets)
+        served.steps = step_logs.pop()
+        return served
+    return run
 
 
 def theirs(model, num_blocks: int, args, sharing: bool, max_batch_tokens: int):
@@ -156,14 +168,25 @@ def time_rounds(systems: dict, items, offsets, repeat: int) -> dict:
     return best
 
 
-def rows_for(best: dict, reference: str, tokens: int) -> list[dict]:
+def floors(best: dict, cost: ModelCost, machine: Machine) -> dict[str, float]:
+    """Each system's floor: its steps' (HF's, not visible, are those of our engine with the same sharing)."""
+    out = {}
+    for name, r in best.items():
+        ours_like = "L8, sharing " + ("off" if "sharing off" in name else "on")
+        steps = r.steps if r.steps is not None else best[ours_like].steps
+        out[name] = cost.run_floor_s([shape for shape, _ in steps], machine)
+    return out
+
+
+def rows_for(best: dict, reference: str, tokens: int, floor: dict[str, float]) -> list[dict]:
     rows = []
     for name, r in best.items():
         e = r.engine
         hf_name = "HF continuous, sharing " + ("off" if "sharing off" in name else "on")
         row = {"system": name, "prefill tokens computed": e.metrics()["prefill_tokens_computed"] if e else None,
                "held": e.prefix.held_for_prefix if e else None, "serve s": r.serve_s,
-               "tok/s": tokens / r.serve_s, "TTFT mean ms": 1e3 * r.ttft_mean_s, "TTFT max ms": 1e3 * max(r.ttft_s),
+               "tok/s": tokens / r.serve_s, "floor s": floor[name], "% of floor": 100 * floor[name] / r.serve_s,
+               "TTFT mean ms": 1e3 * r.ttft_mean_s, "TTFT max ms": 1e3 * max(r.ttft_s),
                "set-up s": r.setup_s, "teardown s": r.teardown_s,
                "HF serve / this": best[hf_name].serve_s / r.serve_s if hf_name in best else None,
                "HF TTFT / this": best[hf_name].ttft_mean_s / r.ttft_mean_s if hf_name in best else None,
@@ -172,7 +195,7 @@ def rows_for(best: dict, reference: str, tokens: int) -> list[dict]:
     return rows
 
 
-COLUMNS = ["system", "prefill tokens computed", "held", "serve s", "tok/s", "TTFT mean ms", "TTFT max ms",
+COLUMNS = ["system", "prefill tokens computed", "held", "serve s", "tok/s", "floor s", "% of floor", "TTFT mean ms", "TTFT max ms",
            "set-up s", "teardown s", "HF serve / this", "HF TTFT / this", "same ids as HF"]
 
 
@@ -195,12 +218,15 @@ def bench_workload(label, our_model, hf_model, items, offsets, args, backend, re
     }
     if burst:
         systems["L8, sharing on, no prefill cap"] = ours(our_model, num_blocks, args, backend, True, prefill_chunk=None)
+    before = measure_machine(our_model.config, our_model.dtype)
     best = time_rounds(systems, items, offsets, repeat)
     if burst:  # the engine before in-batch sharing: one giant forward, every request computes the prefix
-        before = ours(our_model, num_blocks, args, backend, True, prefill_chunk=None, max_prefix_hold=0)
-        best["L8, sharing on, no prefill cap, no hold (1 run)"] = before(items, offsets)
+        unshared = ours(our_model, num_blocks, args, backend, True, prefill_chunk=None, max_prefix_hold=0)
+        best["L8, sharing on, no prefill cap, no hold (1 run)"] = unshared(items, offsets)
+    machine = best_of(before, measure_machine(our_model.config, our_model.dtype))
     tokens = sum(w.max_new_tokens for w in items)
-    rows = rows_for(best, "HF continuous, sharing on", tokens)
+    rows = rows_for(best, "HF continuous, sharing on", tokens,
+                    floors(best, ModelCost.of(our_model.config, our_model.dtype.itemsize), machine))
     hf_settings = {s: f"page_size {args.block_size}, num_blocks {num_blocks} (1.0x ours), max_batch_tokens "
                       f"{swept[s][0]}, allow_block_sharing {s}" for s in (True, False)}
     print(f"\n== {label}")
@@ -209,7 +235,9 @@ def bench_workload(label, our_model, hf_model, items, offsets, args, backend, re
             print(f"HF sweep, sharing {'on' if s else 'off'}: " + ", ".join(
                 f"{v}: {t:.2f} s (TTFT {1e3 * f:.0f} ms)" for v, t, f in tried) + f" -> {value}")
     print_table(rows, COLUMNS, floatfmt=".2f")
-    return {"label": label, "pool_blocks": num_blocks, "hf_settings": hf_settings,
+    print(f"floor s: the sum over a system's steps of max(bytes / bandwidth, FLOPs / matmul rate), {machine.line()} "
+          "(HF continuous: our engine's steps with the same sharing; its own are not visible)")
+    return {"label": label, "machine": machine.line(), "pool_blocks": num_blocks, "hf_settings": hf_settings,
             "hf_batch_tokens": {s: value for s, (value, _) in swept.items()},
             "hf_sweep": {("on" if s else "off"): tried for s, (_, tried) in swept.items()}, "rows": rows}
 
@@ -248,7 +276,10 @@ def markdown(results: list[dict], args, command: str, load_at_start: str) -> str
             if tried:
                 out += [f"HF max_batch_tokens sweep, sharing {mode} (one run each): " + ", ".join(
                     f"{v} → {s:.2f} s" for v, s, _ in tried) + ".", ""]
-        out += [markdown_table(r["rows"], COLUMNS), ""]
+        out += [markdown_table(r["rows"], COLUMNS), "",
+                f"Floor constants measured in this run: {r['machine']}. HF continuous's floor is our engine's steps "
+                "with the same sharing (its own steps are not visible); arrivals spread over time leave idle gaps "
+                "that no floor counts.", ""]
     return "\n".join(out)
 
 

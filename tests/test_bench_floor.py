@@ -1,0 +1,94 @@
+"""The floor of a step (harness.benchmark) and the engine's oneDNN head (provided code, no points):
+bytes and FLOPs counted from the config equal those counted on the model itself, a step's shape
+equals a brute-force count of its rows and keys, recording steps leaves the engine's output
+unchanged, and the head's logits equal `nn.Linear`'s within the HF tolerance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from harness.benchmark import Machine, ModelCost, StepShape, padded_batch_steps, record_steps
+from helpers import hf_ids, load_script, random_prompt
+from l1_contiguous import load_config
+from l5_eviction import WorkItem, load_engine_model, make_engine
+from l5_eviction.head import OneDnnHead
+
+pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def test_step_shape_counts_rows_keys_and_cached_tokens_like_a_brute_force_walk():
+    spans = [(0, 5), (7, 1), (3, 4)]  # (cached, new): a prefill, a decode, a chunk after 3 cached
+    rows = [(c, c + i) for c, n in spans for i in range(n)]  # (cached, position) of each new token
+    shape = StepShape.of_requests(spans)
+    assert shape.rows == len(rows) == 10 and shape.logit_rows == 3
+    assert shape.keys == sum(pos + 1 for _, pos in rows)  # a token reads every key up to its own
+    assert shape.kv_tokens == 5 + 8 + 7
+
+
+def test_padded_batch_steps_run_every_row_to_the_longest_prompt_and_output():
+    steps = padded_batch_steps([3, 7], new_tokens=4)
+    assert len(steps) == 4 and steps[0].rows == 14 and steps[0].logit_rows == 2
+    assert [s.rows for s in steps[1:]] == [2, 2, 2] and [s.kv_tokens for s in steps[1:]] == [16, 18, 20]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_cost_counts_the_bytes_and_flops_of_the_model_itself(make_model, tied):
+    path = make_model(seed=3, tie_word_embeddings=tied)
+    model, cfg = load_engine_model(path, fast_head=False), load_config(path)
+    cost = ModelCost.of(cfg, itemsize=4)
+    params = {id(p): p for p in model.parameters()}  # a tied head is one tensor
+    embedding = model.model.embed_tokens.weight
+    per_step = sum(p.numel() for p in params.values()) - (0 if tied else embedding.numel())
+    assert cost.weight_bytes == 4 * per_step  # everything but the embedding, whose rows are read per token
+    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, nn.Linear))
+    assert cost.flops_per_row == 2 * linear and cost.head_flops_per_row == 2 * model.lm_head.weight.numel()
+    decode = StepShape.of_requests([(10, 1)])
+    machine = Machine(read_bytes_per_s=1e9, matmul_flops_per_s=1e18)  # memory-bound: floor = bytes / bandwidth
+    assert cost.floor_s(decode, machine) == pytest.approx(cost.bytes(decode) / 1e9)
+    assert cost.bytes(decode) == 4 * (per_step + cfg.hidden_size) + 11 * cfg.kv_bytes_per_token(4)
+
+
+def test_recorded_steps_cover_every_token_and_leave_the_ids_as_hf(tiny_model_dir):
+    model = load_engine_model(tiny_model_dir)
+    items = [WorkItem(random_prompt(n, 512, seed=n), 3) for n in (5, 9, 2)]
+    engine = make_engine(model, 16, 4)
+    log = record_steps(engine)
+    engine.run(items)
+    assert [r.output_ids for r in engine.requests.values()] == [hf_ids(tiny_model_dir, w.prompt_ids, 3) for w in items]
+    assert len(log) == engine.now and all(seconds > 0 for _, seconds in log)
+    # every prompt token, and every new token but the last (its K/V is never needed), runs once
+    assert sum(shape.rows for shape, _ in log) == 16 + 3 * 2
+    assert sum(shape.logit_rows for shape, _ in log) == 3 * 3
+
+
+def test_onednn_head_matches_the_linear_and_keeps_the_tied_weight(make_model):
+    path = make_model(seed=4, tie_word_embeddings=True)
+    fast, plain = load_engine_model(path), load_engine_model(path, fast_head=False)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: the engine keeps nn.Linear")
+    assert isinstance(fast.lm_head, OneDnnHead) and isinstance(plain.lm_head, nn.Linear)
+    assert fast.lm_head.weight is fast.model.embed_tokens.weight  # still tied, still the model's dtype/device
+    x = torch.randn(7, fast.config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast.lm_head(x), plain.lm_head(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast.lm_head(x[::3]), plain.lm_head(x[::3]), rtol=1e-5, atol=1e-5)
+
+
+def test_bench_l5_prints_a_floor_for_every_system(tmp_path, tiny_model_dir):
+    bench = load_script("bench_l5")
+    out = tmp_path / "b.json"
+    argv = ["--model", str(tiny_model_dir), "--skip-0.6b", "--requests", "4", "--repeat", "1", "--hf-batch-tokens", "64",
+            "--json", str(out)]
+    assert bench.main(argv) == 0
+    model = json.loads(out.read_text())["models"][0]
+    floor = {row["system"]: row["floor s"] for row in model["rows"] if "floor s" in row}
+    assert len(floor) >= 8 and all(f > 0 for f in floor.values())
+    # the padded batch computes every row to the longest prompt and output: more work than the engine's
+    assert floor["HF batched"] > floor["L5 engine"]
+    steps = model["l5_steps"]
+    assert sum(s["rows"] for s in steps) == sum(p + n - 1 for p, n in model["lengths"])
+    assert {k["kind"] for k in model["step_kinds"]} == {"decode only", "with prefill"}
