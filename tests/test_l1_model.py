@@ -238,7 +238,7 @@ def test_hf_comparison_notices_adjacent_pair_rope(tiny_model_dir, monkeypatch):
     assert (torch.stack(gen.logits) - ref).abs().max() > 1e-2
 
 
-@pytest.mark.points(2)
+@pytest.mark.points(3)
 def test_qwen3_0_6b_shapes_sharded_checkpoint_matches_hf(make_model):
     """Qwen3-0.6B's config (vocab 151936, head_dim 128 != 1024/16, tied) cut to 2 layers (1 in the
     fast loop), stored sharded and in bfloat16 as the published checkpoint is, run in float32."""
@@ -257,8 +257,7 @@ def test_qwen3_0_6b_shapes_sharded_checkpoint_matches_hf(make_model):
     assert (torch.stack(gen.logits) - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-4
 
 
-@pytest.mark.slow
-@pytest.mark.points(1)
+@pytest.mark.slow  # no points: the autograder runs no soak; the 2-layer test above carries them
 def test_qwen3_0_6b_full_depth_matches_hf(make_model):
     d = make_model(shard_size="1GB", hf_init=False, dtype="bfloat16", **QWEN3_0_6B)
     model = Qwen3ForCausalLM.from_pretrained(d)
