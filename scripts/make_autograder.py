@@ -10,7 +10,7 @@ Upload the zip as the assignment's autograder ("Zip file upload"). Gradescope un
 the lesson packages the student uploaded (see instructor/autograder/grade.py) and writes
 /autograder/results/results.json. `--lessons` makes a weekly assignment: only those lessons'
 tests are graded, still with the student's packages of the earlier lessons they build on.
-Test files in instructor/hidden_tests/ go into the bundle only (never the student copy), their
+Test files in instructor/hidden_tests/ (--hidden-tests-dir) go into the bundle only (never the student copy), their
 results shown after grades are published.
 """
 
@@ -42,7 +42,7 @@ def _student_copy_tool():
     return module
 
 
-def build(zip_path: Path, hidden_tests: Path, lessons: list[str], hidden_dir: Path = HIDDEN_TESTS_DIR) -> dict:
+def build(zip_path: Path, hidden_tests: Path, lessons: list[str], hidden_dir: Path) -> dict:
     """Write the bundle to `zip_path`; return its manifest."""
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "source"
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("zip_path", help="the zip to write, e.g. autograder.zip")
     parser.add_argument("--hidden-tests", default=str(REPO_ROOT / "instructor" / "hidden_tests.txt"),
                         help="node-id prefixes hidden until grades are published (default: %(default)s)")
+    parser.add_argument("--hidden-tests-dir", default=str(HIDDEN_TESTS_DIR),
+                        help="test files put in the bundle only, hidden until published (default: %(default)s)")
     parser.add_argument("--lessons", default="",
                         help="the lessons graded, comma- or space-separated, e.g. l2 or l1,l2 (default: every lesson)")
     args = parser.parse_args(argv)
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if not hidden.is_file():
         print(f"error: {hidden} does not exist; pass --hidden-tests FILE", file=sys.stderr)
         return 2
-    manifest = build(Path(args.zip_path).resolve(), hidden, lessons)
+    manifest = build(Path(args.zip_path).resolve(), hidden, lessons, Path(args.hidden_tests_dir))
     points = {lesson: sum(t["points"] for t in manifest["tests"].values() if t["lesson"] == lesson) for lesson in lessons}
     print(f"wrote {args.zip_path}: grades {', '.join(f'{k} ({v:g} points)' for k, v in points.items())}, "
           f"{len(manifest['tests'])} tests")
