@@ -34,6 +34,11 @@ def forward_lengths(model_cls):
         handle.remove()
 
 
+def prefilled_then_one_token_per_step(lengths: list[int], prompt_len: int) -> bool:
+    """What `forward_lengths` sees of one request generated with a cache."""
+    return lengths[:1] == [prompt_len] and set(lengths[1:]) <= {1}
+
+
 def budget(full: int, quick: int) -> int:
     """How many requests or examples a soak or property test runs: `quick` in the fast loop."""
     return quick if QUICK else full

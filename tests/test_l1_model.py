@@ -11,7 +11,7 @@ import torch
 
 from harness import hf_reference as hf
 from harness.tiny_models import QWEN3_0_6B
-from helpers import budget, forward_lengths, hf_ids, random_prompt
+from helpers import budget, forward_lengths, hf_ids, prefilled_then_one_token_per_step, random_prompt
 from l1_contiguous import (ContiguousKvCache, InputError, ModelLoadError, Qwen3ForCausalLM, RMSNorm,
                           RotaryEmbedding, apply_rotary, attend, forward_step, greedy_generate, load_config)
 
@@ -181,7 +181,9 @@ def test_cache_rejects_writes_past_its_end(tiny_model_dir):
 def test_cached_decode_equals_full_recompute(tiny_model_dir):
     model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir)
     prompt = random_prompt(12, model.config.vocab_size, seed=3)
-    gen = greedy_generate(model, prompt, 6)
+    with forward_lengths(Qwen3ForCausalLM) as lengths:
+        gen = greedy_generate(model, prompt, 6)
+    assert prefilled_then_one_token_per_step(lengths, len(prompt)), lengths
     for step, logits in enumerate(gen.logits[len(prompt) - 1:]):
         seq = prompt + gen.new_ids[:step]
         with torch.inference_mode():
@@ -243,7 +245,9 @@ def test_l1_generates_without_transformers(tiny_model_dir, monkeypatch):
     prompt = random_prompt(7, model.config.vocab_size, seed=8)
     with monkeypatch.context() as blocked:
         blocked.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
-        got = greedy_generate(model, prompt, 4).new_ids
+        with forward_lengths(Qwen3ForCausalLM) as lengths:
+            got = greedy_generate(model, prompt, 4).new_ids
+    assert prefilled_then_one_token_per_step(lengths, len(prompt)), lengths
     assert got == hf_ids(tiny_model_dir, prompt, 4)
 
 
@@ -264,7 +268,9 @@ def test_logits_and_greedy_ids_match_hf_across_configs(make_model, name):
     d = make_model(seed=len(name), **CONFIGS[name])
     model = Qwen3ForCausalLM.from_pretrained(d)
     prompt = random_prompt(13, model.config.vocab_size, seed=1)
-    gen = greedy_generate(model, prompt, 10)
+    with forward_lengths(Qwen3ForCausalLM) as lengths:
+        gen = greedy_generate(model, prompt, 10)
+    assert prefilled_then_one_token_per_step(lengths, len(prompt)), lengths
     hf_model = hf.load_hf_model(str(d))
     assert gen.new_ids == hf.hf_greedy(hf_model, prompt, 10)
     ref = hf.hf_logits(hf_model, prompt + gen.new_ids[:-1])
@@ -313,7 +319,9 @@ def test_qwen3_0_6b_shapes_sharded_checkpoint_matches_hf(make_model):
     model = Qwen3ForCausalLM.from_pretrained(d)
     assert model.dtype == torch.float32 and model.config.head_dim == 128 and model.config.tie_word_embeddings
     prompt = random_prompt(9, model.config.vocab_size, seed=2)
-    gen = greedy_generate(model, prompt, budget(6, 3))
+    with forward_lengths(Qwen3ForCausalLM) as lengths:
+        gen = greedy_generate(model, prompt, budget(6, 3))
+    assert prefilled_then_one_token_per_step(lengths, len(prompt)), lengths
     hf_model = hf.load_hf_model(str(d))
     assert gen.new_ids == hf.hf_greedy(hf_model, prompt, budget(6, 3))
     ref = hf.hf_logits(hf_model, prompt + gen.new_ids[:-1])
