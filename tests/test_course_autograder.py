@@ -307,3 +307,30 @@ def test_the_whole_grade_fresh_copy_0_solution_full_l1_l2_exactly_theirs(bundle,
         expected = t["max_score"] if t["tags"][0] in ("l1", "l2") else 0
         assert t["score"] == expected, (t["name"], t["output"][-1000:])
     print({name: round(r["seconds"]) for name, r in (("fresh", fresh), ("solution", solution), ("l1+l2", half))})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_setup_sh_makes_an_environment_without_system_packages_that_grades(bundle, tmp_path):
+    """setup.sh as Gradescope runs it, in a temporary root: a clean virtual environment (no system
+    site packages) with the pinned dependencies, which then grades a solution. Here PyPI is
+    reachable but PyTorch's CPU index is not: pip takes torch 2.13.0 from the machine's local wheel
+    folder (pip's find-links), as it would take it from the index on Gradescope."""
+    root = tmp_path / "autograder"
+    shutil.copytree(bundle / "source", root / "source")
+    run = subprocess.run(["bash", str(root / "source" / "setup.sh")], env={**os.environ, "AUTOGRADER_ROOT": str(root)},
+                         capture_output=True, text=True, timeout=3000)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    python = root / "venv" / "bin" / "python"
+    assert "include-system-site-packages = false" in (root / "venv" / "pyvenv.cfg").read_text()
+    versions = subprocess.run([str(python), "-c", "import sys, torch, transformers, pytest_timeout; "
+                               "print(sys.version_info >= (3, 11), torch.__version__, transformers.__version__)"],
+                              capture_output=True, text=True, check=True).stdout.split()
+    assert versions[0] == "True" and versions[1].startswith("2.13.0") and versions[2].startswith("5.2"), versions
+    env = {**os.environ, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SUBMISSION": str(submit(tmp_path, ROOT)),
+           "AUTOGRADER_RESULTS": str(tmp_path / "results.json"), "AUTOGRADER_WORKER_USER": "",
+           "AUTOGRADER_SELECT": FAST}
+    env.pop("PYTHONPATH", None)
+    subprocess.run([str(root / "source" / "run_autograder")], env=env, capture_output=True, timeout=900, check=True)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["score"] == sum(t["max_score"] for t in results["tests"]) > 0
