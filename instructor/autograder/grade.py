@@ -246,11 +246,14 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="autograder-"))
     copy = work / "source"
-    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("grading_manifest.json", "__pycache__"))
+    # What the tests do not need stays out of the worker's reach: which tests are hidden, the points.
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns(
+        "grading_manifest.json", "hidden_tests.txt", "grade.py", "setup.sh", "run_autograder", "__pycache__"))
     found, missing = find_packages(submission, manifest["packages"])
     for package, folder in found.items():
         shutil.rmtree(copy / package)
-        shutil.copytree(folder, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+        # symlinks=True: a link is copied as a link, never followed by root to a file it may not read
+        shutil.copytree(folder, copy / package, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     notes = [f"graded: {p} (from {found[p].relative_to(submission)})" for p in found]
     notes += [f"not found in the submission: {p} (the handout's stub is graded in its place)" for p in missing]
     print("\n".join(notes))
