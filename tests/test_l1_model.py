@@ -197,7 +197,7 @@ def test_cached_decode_equals_full_recompute(tiny_model_dir):
 
 
 @pytest.mark.points(2)
-def test_greedy_generate_prefills_once_then_runs_one_token_per_step(tiny_model_dir):
+def test_greedy_generate_matches_hf_prefilling_once_then_one_token_per_step(tiny_model_dir):
     model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir)
     prompt = random_prompt(9, model.config.vocab_size, seed=5)
     with forward_lengths(Qwen3ForCausalLM) as lengths:
@@ -228,7 +228,7 @@ def test_decode_reads_the_cache_so_poisoning_it_changes_the_output(tiny_model_di
 
 
 @pytest.mark.points(1)
-def test_l1_generates_without_transformers(tiny_model_dir, monkeypatch):
+def test_l1_matches_hf_with_transformers_unimportable(tiny_model_dir, monkeypatch):
     """HF is the oracle, never the implementation: with transformers unimportable, and imported by
     no file of l1_contiguous/, greedy_generate still gives HF's ids."""
     import ast
