@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.grading import LESSON_PACKAGES
 from helpers import load_script
 
 pytestmark = [pytest.mark.course, pytest.mark.timeout(900)]  # each test grades in a subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("l1_contiguous", "l2_paged", "l3_block_kernel", "l5_eviction", "l8_prefix")
+PACKAGES = tuple(LESSON_PACKAGES.values())
 FAST = "tests/test_l2_allocator.py"  # L2's allocator, reserve, meta and mask: a few seconds
 HIDDEN = "tests/test_l2_allocator.py::test_random_alloc_free_sequences_keep_every_invariant"
 HIDDEN_FILE = "test_l2_hidden_extra.py"  # only in the bundle, from the hidden tests folder
@@ -128,7 +129,7 @@ def test_the_bundle_holds_the_student_copy_the_manifest_and_no_solution(bundle):
     tests = manifest["tests"]
     assert tests and all(t["points"] > 0 and not t["slow"] for t in tests.values())
     assert tests[HIDDEN]["hidden"] and tests[f"tests/{HIDDEN_FILE}::test_two_blocks_come_back_in_the_free_list"]["hidden"]
-    assert {t["lesson"] for t in tests.values()} == {"l1", "l2", "l3", "l5", "l8"}
+    assert {t["lesson"] for t in tests.values()} == set(LESSON_PACKAGES)
 
 
 def test_hidden_tests_are_left_out_of_the_student_copy(tmp_path):

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.grading import LESSON_PACKAGES
 from helpers import load_script
 
 pytestmark = [pytest.mark.course, pytest.mark.timeout(1800)]  # each test grades a copy in a subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-LESSONS = ("l1", "l2", "l3", "l5", "l8")
+LESSONS = tuple(LESSON_PACKAGES)
 
 
 def grade(cwd: Path, results: Path, *args: str, timeout: int = 900, quick: bool = False) -> list[dict]:
