@@ -287,7 +287,10 @@ def main() -> int:
 
     outcomes, errors = read_outcomes(outcomes_log)
     rows = grade(manifest, select, outcomes, errors, status, time_limit, log)
-    forged = [c for c in canaries if status_of(outcomes.get(c, {})) == "passed"]
+    # A worker whose report says anything passed must also report the canaries failed.
+    anything_passed = any(row["status"] == "passed" for row in rows)
+    forged = [c for c in canaries if status_of(outcomes.get(c, {})) == "passed"
+              or (anything_passed and status is not None and status_of(outcomes.get(c, {})) != "failed")]
     output = "\n".join(notes)
     if forged:
         print(f"FLAG for the instructor: canary tests that must fail were reported as passed: {forged}; "
@@ -306,5 +309,21 @@ def main() -> int:
     return 0
 
 
+def write_internal_error(results: Path) -> None:
+    """The grader itself broke: say so in results.json (the traceback is in Gradescope's log)."""
+    import traceback
+
+    traceback.print_exc()
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"score": 0, "tests": [], "output": (
+        "The grader failed before it could score this submission (an internal error, not your code's); "
+        "your instructor has the log.")}))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Exception:
+        write_internal_error(Path(os.environ.get("AUTOGRADER_RESULTS",
+                                                 Path(os.environ.get("AUTOGRADER_ROOT", "/autograder")) / "results" / "results.json")))
+        sys.exit(0)
