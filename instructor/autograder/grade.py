@@ -272,17 +272,23 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGRADER_")}
     env.update(HOME=str(work), PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
     user = worker_user()
-    if user is not None and not can_run_as(user, python):
-        print(f"warning: {WORKER_USER} cannot run {python}; the worker runs as root (make the "
-              "environment readable by other users)")
-        user = None
+    source_mode = source.stat().st_mode & 0o777
+    if user is not None:
+        os.chmod(source, 0o700)  # the bundle (manifest, hidden tests) out of the worker's reach
+        if not can_run_as(user, python):
+            print(f"warning: {WORKER_USER} cannot run {python}; the worker runs as root (make the "
+                  "environment readable by other users)")
+            user = None
     if user is None:
-        print("note: the worker runs as the current user (not root: no unprivileged user to switch to)")
+        print("note: the worker runs as the current user, with no privilege separation")
     else:
         shutil.chown(work, *user)
         for path in work.rglob("*"):
             os.chown(path, *user, follow_symlinks=False)
-    log, status = run_worker(cmd, copy, env, user, time_limit)
+    try:
+        log, status = run_worker(cmd, copy, env, user, time_limit)
+    finally:
+        os.chmod(source, source_mode)
     print(log)
 
     outcomes, errors = read_outcomes(outcomes_log)
