@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -309,24 +310,44 @@ def test_the_whole_grade_fresh_copy_0_solution_full_l1_l2_exactly_theirs(bundle,
 @pytest.mark.timeout(3600)
 def test_setup_sh_makes_an_environment_without_system_packages_that_grades(bundle, tmp_path):
     """setup.sh as Gradescope runs it, in a temporary root: a clean virtual environment (no system
-    site packages) with the pinned dependencies, which then grades a solution. Here PyPI is
-    reachable but PyTorch's CPU index is not: pip takes torch 2.13.0 from the machine's local wheel
-    folder (pip's find-links), as it would take it from the index on Gradescope."""
-    root = tmp_path / "autograder"
+    site packages) with the pinned dependencies, which then grades a solution whose l1 package
+    tries to rewrite results.json at exit. Here PyPI is reachable but PyTorch's CPU index is not:
+    pip takes torch 2.13.0 from the machine's local wheel folder (pip's find-links), as it would
+    take it from the index on Gradescope. As root, with a system Python outside root's home, the
+    worker runs as the unprivileged user, as on Gradescope."""
+    base = Path(tempfile.mkdtemp(prefix="autograder-setup-"))  # under /tmp, open to the worker user
+    base.chmod(0o755)
+    root, path = base / "autograder", os.environ["PATH"]
     shutil.copytree(bundle / "source", root / "source")
-    run = subprocess.run(["bash", str(root / "source" / "setup.sh")], env={**os.environ, "AUTOGRADER_ROOT": str(root)},
-                         capture_output=True, text=True, timeout=3000)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    python = root / "venv" / "bin" / "python"
-    assert "include-system-site-packages = false" in (root / "venv" / "pyvenv.cfg").read_text()
-    versions = subprocess.run([str(python), "-c", "import sys, torch, transformers, pytest_timeout; "
-                               "print(sys.version_info >= (3, 11), torch.__version__, transformers.__version__)"],
-                              capture_output=True, text=True, check=True).stdout.split()
-    assert versions[0] == "True" and versions[1].startswith("2.13.0") and versions[2].startswith("5.2"), versions
-    env = {**os.environ, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SUBMISSION": str(submit(tmp_path, ROOT)),
-           "AUTOGRADER_RESULTS": str(tmp_path / "results.json"), "AUTOGRADER_WORKER_USER": "",
-           "AUTOGRADER_SELECT": FAST}
-    env.pop("PYTHONPATH", None)
-    subprocess.run([str(root / "source" / "run_autograder")], env=env, capture_output=True, timeout=900, check=True)
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["score"] == sum(t["max_score"] for t in results["tests"]) > 0
+    system_python = shutil.which("python3.11", path="/usr/bin")
+    if os.geteuid() == 0 and system_python:
+        (base / "bin").mkdir()
+        (base / "bin" / "python3").symlink_to(system_python)
+        path = f"{base / 'bin'}:{path}"
+    try:
+        run = subprocess.run(["bash", str(root / "source" / "setup.sh")], capture_output=True, text=True,
+                             env={**os.environ, "AUTOGRADER_ROOT": str(root), "PATH": path}, timeout=3000)
+        assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+        python = root / "venv" / "bin" / "python"
+        assert "include-system-site-packages = false" in (root / "venv" / "pyvenv.cfg").read_text()
+        versions = subprocess.run([str(python), "-c", "import sys, torch, transformers, pytest_timeout; "
+                                   "print(sys.version_info >= (3, 11), torch.__version__, transformers.__version__)"],
+                                  capture_output=True, text=True, check=True).stdout.split()
+        assert versions[0] == "True" and versions[1].startswith("2.13.0") and versions[2].startswith("5.2"), versions
+        results = root / "results" / "results.json"
+        init = "l1_contiguous/__init__.py"
+        text = (ROOT / init).read_text()
+        # The atexit cheat aimed at results.json only (rewriting the worker's own report costs it its score).
+        cheat = text + ATEXIT_REWRITE.replace('"/autograder/results/results.json",', f'"{results}",').replace(
+            ', *glob.glob(os.path.expanduser("~/*.jsonl"))', '')
+        env = {**os.environ, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SELECT": FAST,
+               "AUTOGRADER_SUBMISSION": str(submit(base, ROOT, edits={init: (text, cheat)}))}
+        env.pop("PYTHONPATH", None)
+        log = subprocess.run([str(root / "source" / "run_autograder")], env=env, capture_output=True, text=True,
+                             timeout=900, check=True).stdout
+        graded = json.loads(results.read_text())
+        assert graded["score"] == sum(t["max_score"] for t in graded["tests"]) > 0, log[-3000:]
+        if "note: the worker runs as the current user" not in log:  # it ran as autograder-student
+            assert "FLAG for the instructor: l1_contiguous/__init__.py: atexit" in log
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
