@@ -5,10 +5,15 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# torch 2.13.0 is the CPU build available offline here; a plain `pip install torch` would pull
-# several GB of CUDA wheels. An already-installed torch (e.g. a CUDA build) is used as it is.
+# torch is installed only when the environment cannot import one (an existing build, CPU or CUDA,
+# is kept). On Linux, PyPI's torch is the CUDA build (a 0.5 GB wheel plus several GB of CUDA
+# libraries), so without an NVIDIA GPU it comes from PyTorch's CPU index (about 0.2 GB).
+# TORCH_BUILD=cuda asks for the CUDA build; TORCH_BUILD=cpu for the CPU build even with a GPU.
 TORCH  ?= torch==2.13.0
-LESSONS := l1 l2 l3 l5 l8
+TORCH_BUILD ?= auto
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+# Every lesson package at the root (l1_contiguous/ ...): adding a lesson adds its targets.
+LESSONS := $(sort $(foreach p,$(wildcard l[0-9]*_*/__init__.py),$(firstword $(subst _, ,$(p)))))
 
 .PHONY: run test setup bench student-copy autograder notebooks lab clean \
 	$(addprefix smoke-,$(LESSONS)) $(addprefix check-,$(LESSONS))
@@ -35,9 +40,21 @@ lab: setup          ## JupyterLab on notebooks/, with this project's kernel
 
 setup: $(STAMP)
 
+# The CPU index only on Linux without an NVIDIA GPU (macOS and Windows wheels on PyPI are CPU builds).
+NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(TORCH_BUILD),cpu)
+TORCH_INDEX := --index-url $(TORCH_CPU_INDEX)
+else ifeq ($(TORCH_BUILD)$(shell uname -s)$(NVIDIA_GPU),autoLinux)
+TORCH_INDEX := --index-url $(TORCH_CPU_INDEX)
+else ifneq ($(filter-out auto cuda,$(TORCH_BUILD)),)
+$(error TORCH_BUILD=$(TORCH_BUILD): use auto (the default), cpu or cuda)
+endif
+
 $(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "make setup: $(PYTHON) is \
+	older than Python 3.11, which transformers 5.22 needs; give a newer one: make setup PYTHON=python3.12" >&2; exit 2; }
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)" $(TORCH_INDEX)
 	$(PY) -m pip install -e ".[dev]"
 	@# pip skips a tool the system already has, and then .venv/bin has no `pytest` (or `jupyter`):
 	@# the activated shell would run the system's, which cannot import this environment's torch.
@@ -56,8 +73,8 @@ bench: setup
 student-copy: setup  ## the repository without solutions, to hand out: student-copy/
 	$(PY) scripts/make_student_copy.py student-copy --force
 
-autograder: setup    ## the Gradescope autograder: autograder.zip (no solutions in it)
-	$(PY) scripts/make_autograder.py autograder.zip
+autograder: setup    ## the Gradescope autograder: autograder.zip (no solutions in it); LESSONS=l2 for one week
+	$(PY) scripts/make_autograder.py autograder.zip --lessons "$(LESSONS)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis student-copy autograder.zip

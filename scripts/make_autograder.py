@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
 """Build the Gradescope autograder bundle: a zip of the student copy (no solutions), plus
-`setup.sh`, `run_autograder` and the list of hidden tests.
+`setup.sh`, `run_autograder`, the grading runner `grade.py`, the hidden tests and the manifest of
+the points each graded test carries.
 
-    python scripts/make_autograder.py autograder.zip [--hidden-tests FILE]
+    python scripts/make_autograder.py autograder.zip [--lessons l2,l3] [--hidden-tests FILE]
 
 Upload the zip as the assignment's autograder ("Zip file upload"). Gradescope unpacks it in
 /autograder/source and runs `setup.sh` once; then, for each submission, `run_autograder` grades
-the lesson packages the student uploaded (see instructor/autograder/run_autograder) and writes
-/autograder/results/results.json. The bundle holds the student copy, not this repository, so no
-solution is in it.
+the lesson packages the student uploaded (see instructor/autograder/grade.py) and writes
+/autograder/results/results.json. `--lessons` makes a weekly assignment: only those lessons'
+tests are graded, still with the student's packages of the earlier lessons they build on.
+Test files in instructor/hidden_tests/ (--hidden-tests-dir) go into the bundle only (never the student copy), their
+results shown after grades are published.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import zipfile
@@ -22,6 +29,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = REPO_ROOT / "instructor" / "autograder"
+HIDDEN_TESTS_DIR = REPO_ROOT / "instructor" / "hidden_tests"
+SCRIPTS = ("setup.sh", "run_autograder")  # executable, at the bundle's root
 EXECUTABLE = 0o100755 << 16  # zip external attributes of a regular file with mode 755
 
 
@@ -33,21 +42,49 @@ def _student_copy_tool():
     return module
 
 
-def build(zip_path: Path, hidden_tests: Path) -> int:
-    """Write the bundle to `zip_path`; return the number of files in it."""
+def build(zip_path: Path, hidden_tests: Path, lessons: list[str], hidden_dir: Path) -> dict:
+    """Write the bundle to `zip_path`; return its manifest."""
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "source"
         _student_copy_tool().make_student_copy(REPO_ROOT, copy)
-        (copy / "hidden_tests.txt").write_text(hidden_tests.read_text(encoding="utf-8"), encoding="utf-8")
-        files = sorted(p for p in copy.rglob("*") if p.is_file())
+        hidden_files = sorted(hidden_dir.glob("test_*.py")) if hidden_dir.is_dir() else []
+        for path in hidden_files:
+            shutil.copy(path, copy / "tests" / path.name)
+        listed = hidden_tests.read_text(encoding="utf-8")
+        (copy / "hidden_tests.txt").write_text(listed + "".join(f"\ntests/{p.name}" for p in hidden_files) + "\n")
+        shutil.copy(TEMPLATES / "grade.py", copy / "grade.py")
+        manifest = collect_manifest(copy, lessons)
+        (copy / "grading_manifest.json").write_text(json.dumps(manifest, indent=1))
+        files = sorted(p for p in copy.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
         with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as zf:
-            for name in ("setup.sh", "run_autograder"):
+            for name in SCRIPTS:
                 info = zipfile.ZipInfo(name)
                 info.external_attr = EXECUTABLE
                 zf.writestr(info, (TEMPLATES / name).read_bytes(), zipfile.ZIP_DEFLATED)
             for path in files:
                 zf.write(path, path.relative_to(copy).as_posix())
-    return len(files) + 2
+    return manifest
+
+
+def collect_manifest(copy: Path, lessons: list[str]) -> dict:
+    """The graded tests of `lessons` as collected in the bundle's own copy (stubs, no student
+    code): {"lessons", "packages" (every lesson's, earlier lessons are imported by later ones),
+    "tests": {nodeid: {points, lesson, hidden, slow}}}."""
+    sys.path.insert(0, str(copy))
+    from harness.grading import LESSON_PACKAGES  # the copy's own list of lessons
+    sys.path.pop(0)
+    path = copy / "manifest.tmp.json"
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "--graded-only", "-p", "no:cacheprovider",
+           "--hidden-tests", "hidden_tests.txt", "--manifest", str(path), "-m", " or ".join(lessons)]
+    run = subprocess.run(cmd, cwd=copy, env={**os.environ, "PYTHONPATH": str(copy)}, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"error: collecting the bundle's tests failed:\n{(run.stdout + run.stderr)[-3000:]}")
+    tests = json.loads(path.read_text())
+    path.unlink()
+    slow = [nodeid for nodeid, test in tests.items() if test["slow"]]
+    if slow:  # the bundle runs no soak (Gradescope's time limit): a graded one could never be earned
+        raise SystemExit(f"error: tests marked slow carry points: {slow}; give their points to the bounded version")
+    return {"lessons": lessons, "packages": list(LESSON_PACKAGES.values()), "tests": tests}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,15 +92,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("zip_path", help="the zip to write, e.g. autograder.zip")
     parser.add_argument("--hidden-tests", default=str(REPO_ROOT / "instructor" / "hidden_tests.txt"),
                         help="node-id prefixes hidden until grades are published (default: %(default)s)")
+    parser.add_argument("--hidden-tests-dir", default=str(HIDDEN_TESTS_DIR),
+                        help="test files put in the bundle only, hidden until published (default: %(default)s)")
+    parser.add_argument("--lessons", default="",
+                        help="the lessons graded, comma- or space-separated, e.g. l2 or l1,l2 (default: every lesson)")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO_ROOT))
+    from harness.grading import LESSON_PACKAGES
+
+    lessons = args.lessons.replace(",", " ").split() or list(LESSON_PACKAGES)
+    unknown = [lesson for lesson in lessons if lesson not in LESSON_PACKAGES]
+    if unknown:
+        print(f"error: --lessons {' '.join(unknown)}: no such lesson; choose from {' '.join(LESSON_PACKAGES)}",
+              file=sys.stderr)
+        return 2
     hidden = Path(args.hidden_tests)
     if not hidden.is_file():
         print(f"error: {hidden} does not exist; pass --hidden-tests FILE", file=sys.stderr)
         return 2
-    count = build(Path(args.zip_path).resolve(), hidden)
-    print(f"wrote {args.zip_path}: {count} files (student copy + setup.sh + run_autograder)")
+    manifest = build(Path(args.zip_path).resolve(), hidden, lessons, Path(args.hidden_tests_dir))
+    points = {lesson: sum(t["points"] for t in manifest["tests"].values() if t["lesson"] == lesson) for lesson in lessons}
+    print(f"wrote {args.zip_path}: grades {', '.join(f'{k} ({v:g} points)' for k, v in points.items())}, "
+          f"{len(manifest['tests'])} tests")
     print("upload it on Gradescope as the autograder; students submit their lesson packages "
-          "(l1_contiguous/ ... l8_prefix/)")
+          f"({'/ '.join(manifest['packages'])}/)")
     return 0
 
 

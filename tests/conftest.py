@@ -15,9 +15,14 @@ from harness.smoke import DEFAULT_MODEL
 from harness.tiny_models import make_random_model
 
 
-# `pytest --hypothesis-profile=grading`: a failing property test reports the first failing example
-# instead of shrinking it (which can take minutes when the student's code is a stub).
-settings.register_profile("grading", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+# Property tests draw the same examples on every run (derandomized, no example database), so a
+# submission scores the same each time it is graded. `pytest --hypothesis-profile=grading` (the
+# autograder's) also reports a failing property test's first failing example instead of shrinking
+# it (which can take minutes when the student's code is a stub).
+settings.register_profile("default-derandomized", derandomize=True, database=None)
+settings.register_profile("grading", derandomize=True, database=None,
+                          phases=[Phase.explicit, Phase.generate])
+settings.load_profile("default-derandomized")
 
 
 def pytest_addoption(parser):

@@ -1,7 +1,9 @@
 """The Gradescope bundle (`make autograder`), run in a temporary folder laid out like Gradescope's
-(/autograder/source, /autograder/submission, /autograder/results): it holds no solution, a fresh
-student copy's packages score 0 and the solution's packages score full marks, and results.json
-has Gradescope's fields."""
+(/autograder/source, /autograder/submission, /autograder/results), as an instructor would try it
+and as a student who wants points without the work would attack it.
+
+In `make test` each case grades one or two fast files (AUTOGRADER_SELECT, a few seconds each);
+the slow variants grade everything."""
 
 from __future__ import annotations
 
@@ -10,90 +12,342 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from harness.grading import LESSON_PACKAGES
 from helpers import load_script
 
-pytestmark = [pytest.mark.course]
+pytestmark = [pytest.mark.course, pytest.mark.timeout(900)]  # each test grades in a subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("l1_contiguous", "l2_paged", "l3_block_kernel", "l5_eviction", "l8_prefix")
-# In `make test` the bundle grades one fast file (L2's allocator, reserve, meta and mask: a few
-# seconds); the slow variant grades everything.
-FAST = "tests/test_l2_allocator.py"
+PACKAGES = tuple(LESSON_PACKAGES.values())
+FAST = "tests/test_l2_allocator.py"  # L2's allocator, reserve, meta and mask: a few seconds
 HIDDEN = "tests/test_l2_allocator.py::test_random_alloc_free_sequences_keep_every_invariant"
+HIDDEN_FILE = "test_l2_hidden_extra.py"  # only in the bundle, from the hidden tests folder
+HIDDEN_TEST = f"""import pytest
+from l2_paged import BlockAllocator
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    """autograder.zip unpacked in <tmp>/autograder/source, with one test listed as hidden."""
-    tmp = tmp_path_factory.mktemp("bundle")
+@pytest.mark.l2
+@pytest.mark.points(1)
+def test_two_blocks_come_back_in_the_free_list():
+    alloc = BlockAllocator(num_blocks=2, block_size=4)
+    alloc.free(alloc.alloc_blocks(2))
+    assert alloc.num_free == 2
+"""
+
+
+def build(tmp: Path, *args: str) -> Path:
+    """autograder.zip built with `args`, unpacked in <tmp>/autograder/source; returns <tmp>/autograder."""
     (tmp / "hidden.txt").write_text(f"# hidden until published\n{HIDDEN}\n")
-    assert load_script("make_autograder").main([str(tmp / "autograder.zip"), "--hidden-tests",
-                                                str(tmp / "hidden.txt")]) == 0
+    (tmp / "hidden_tests").mkdir()
+    (tmp / "hidden_tests" / HIDDEN_FILE).write_text(HIDDEN_TEST)
+    assert load_script("make_autograder").main([str(tmp / "autograder.zip"), "--hidden-tests", str(tmp / "hidden.txt"),
+                                                "--hidden-tests-dir", str(tmp / "hidden_tests"), *args]) == 0
     with zipfile.ZipFile(tmp / "autograder.zip") as zf:
-        names = zf.namelist()
         modes = {i.filename: i.external_attr >> 16 for i in zf.infolist()}
         zf.extractall(tmp / "autograder" / "source")
     for name in ("setup.sh", "run_autograder"):
         assert modes[name] & 0o111, f"{name} is not executable in the zip"
         (tmp / "autograder" / "source" / name).chmod(0o755)
-    return tmp / "autograder", names
+    return tmp / "autograder"
 
 
-def run_bundle(root: Path, packages_from: Path, tmp_path: Path, selection: str | None) -> dict:
-    submission = tmp_path / "submission"  # a student's upload: the packages, one folder down
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("bundle"))
+
+
+def submit(tmp_path: Path, packages_from: Path, folder: str = "my-work", edits: dict | None = None) -> Path:
+    """A student's upload: the packages in `folder` (below the upload's root); `edits` maps
+    "package/file.py" to (old, new) text replacements."""
+    submission = tmp_path / "submission"
     for package in PACKAGES:
-        shutil.copytree(packages_from / package, submission / "my-work" / package,
+        shutil.copytree(packages_from / package, submission / folder / package,
                         ignore=shutil.ignore_patterns("__pycache__"))
+    for name, (old, new) in (edits or {}).items():
+        path = submission / folder / name
+        text = path.read_text()
+        assert old in text, f"{old!r} is not in {name}"
+        path.write_text(text.replace(old, new, 1))
+    return submission
+
+
+def run_bundle(root: Path, submission: Path, tmp_path: Path, select: str | None = FAST, **settings) -> dict:
+    """results.json of run_autograder on `submission`, plus its "log" (stdout) and "seconds"."""
     results = tmp_path / "results" / "results.json"
     env = {**os.environ, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SUBMISSION": str(submission),
            "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": sys.executable,
-           "AUTOGRADER_PYTEST_ARGS": "--hypothesis-profile=grading " + (selection or "")}
+           "AUTOGRADER_WORKER_USER": "", "AUTOGRADER_SELECT": select or "",
+           **{f"AUTOGRADER_{k.upper()}": str(v) for k, v in settings.items()}}
     env.pop("PYTHONPATH", None)  # the scratch copy must be what is imported, as on Gradescope
+    start = time.monotonic()
     run = subprocess.run([str(root / "source" / "run_autograder")], env=env, capture_output=True,
                          text=True, timeout=3600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    return json.loads(results.read_text())
+    return {**json.loads(results.read_text()), "log": run.stdout, "seconds": time.monotonic() - start}
 
 
-def test_the_bundle_holds_the_student_copy_and_no_solution(bundle):
-    root, names = bundle
-    assert {"setup.sh", "run_autograder", "hidden_tests.txt", "pyproject.toml", "harness/grading.py"} <= set(names)
+def scores(results: dict) -> dict[str, float]:
+    return {t["name"]: t["score"] for t in results["tests"]}
+
+
+def failed(results: dict) -> list[str]:
+    return [t["name"] for t in results["tests"] if t["score"] < t["max_score"]]
+
+
+def check_fresh_and_solution(fresh: dict, solution: dict) -> None:
+    fields = {"name", "score", "max_score", "status", "output", "visibility", "tags"}
+    for results in (fresh, solution):
+        assert results["tests"] and all(fields <= set(t) for t in results["tests"])
+        assert all(t["max_score"] > 0 for t in results["tests"])  # graded tests only
+        assert not any("\x1b[" in t["output"] for t in results["tests"])
+    assert fresh["score"] == 0, [t["name"] for t in fresh["tests"] if t["score"]]
+    assert all(t["status"] == "failed" and "NotImplementedError" in t["output"] for t in fresh["tests"])
+    total = sum(t["max_score"] for t in solution["tests"])
+    assert solution["score"] == total > 0, failed(solution)
+
+
+# ---------------------------------------------------------------- what the bundle holds
+
+
+def test_the_bundle_holds_the_student_copy_the_manifest_and_no_solution(bundle):
+    source = bundle / "source"
+    names = {p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file()}
+    assert {"setup.sh", "run_autograder", "grade.py", "grading_manifest.json", "hidden_tests.txt",
+            "pyproject.toml", "harness/grading.py", f"tests/{HIDDEN_FILE}"} <= names
     assert not [n for n in names if n.startswith(("instructor/", "tests/test_course_", "tests/test_lessons_"))]
     for name in names:
         if name.startswith(PACKAGES) and name.endswith(".py"):
-            text = (root / "source" / name).read_text(encoding="utf-8")
-            assert "# BEGIN SOLUTION" not in text, f"{name} holds a solution"
+            assert "# BEGIN SOLUTION" not in (source / name).read_text(encoding="utf-8"), f"{name} holds a solution"
+    manifest = json.loads((source / "grading_manifest.json").read_text())
+    assert manifest["packages"] == list(PACKAGES)
+    tests = manifest["tests"]
+    assert tests and all(t["points"] > 0 and not t["slow"] for t in tests.values())
+    assert tests[HIDDEN]["hidden"] and tests[f"tests/{HIDDEN_FILE}::test_two_blocks_come_back_in_the_free_list"]["hidden"]
+    assert {t["lesson"] for t in tests.values()} == set(LESSON_PACKAGES)
 
 
-def check_scores(fresh: dict, solution: dict) -> None:
-    fields = {"name", "score", "max_score", "status", "output", "visibility"}
-    for results in (fresh, solution):
-        assert results["tests"] and all(fields <= set(t) for t in results["tests"])
-        assert all(t["max_score"] > 0 for t in results["tests"])  # --graded-only
-        assert not any("\x1b[" in t["output"] for t in results["tests"])
-    assert fresh["score"] == 0, [t["name"] for t in fresh["tests"] if t["score"]]
-    total = sum(t["max_score"] for t in solution["tests"])
-    assert solution["score"] == total > 0, [t["name"] for t in solution["tests"] if t["score"] < t["max_score"]]
-    assert all(t["status"] == "failed" and "NotImplementedError" in t["output"] for t in fresh["tests"])
+def test_hidden_tests_are_left_out_of_the_student_copy(tmp_path):
+    assert load_script("make_student_copy").main([str(tmp_path / "copy")]) == 0
+    assert not (tmp_path / "copy" / "instructor").exists()
+    assert not list((tmp_path / "copy" / "tests").glob("test_*hidden*"))
 
 
-def test_a_fresh_copy_scores_0_and_the_solution_full_marks(bundle, tmp_path):
-    root, _ = bundle
-    fresh = run_bundle(root, root / "source", tmp_path / "fresh", FAST)
-    solution = run_bundle(root, ROOT, tmp_path / "solution", FAST)
-    check_scores(fresh, solution)
-    visibility = {t["name"]: t["visibility"] for t in solution["tests"]}
-    assert visibility.pop(HIDDEN) == "after_published"
+# ---------------------------------------------------------------- honest submissions
+
+
+def test_a_fresh_copy_scores_0_and_the_solution_full_marks_from_a_finder_zip_two_folders_down(bundle, tmp_path):
+    fresh = run_bundle(bundle, submit(tmp_path / "fresh", bundle / "source"), tmp_path / "fresh",
+                       select=f"{FAST} tests/{HIDDEN_FILE}")
+    # A Finder zip: __MACOSX/ holds resource forks, here also complete stub packages, listed first;
+    # a hidden folder too. The solution itself is two folders down.
+    solution = submit(tmp_path / "solution", ROOT, folder="course/my-work")
+    for decoy in ("__MACOSX", ".old"):
+        for package in PACKAGES:
+            shutil.copytree(bundle / "source" / package, solution / decoy / package)
+            (solution / decoy / package / f"._{package}").write_bytes(b"\x00\x05\x16\x07")
+    graded = run_bundle(bundle, solution, tmp_path / "solution", select=f"{FAST} tests/{HIDDEN_FILE}")
+    check_fresh_and_solution(fresh, graded)
+    assert f"graded: l2_paged (from {Path('course/my-work/l2_paged')})" in graded["output"]
+    assert "l2: 34 / 34" in graded["output"]  # the lesson totals, visible to the student
+    visibility = {t["name"]: t["visibility"] for t in graded["tests"]}
+    assert visibility.pop(HIDDEN) == visibility.pop(f"tests/{HIDDEN_FILE}::test_two_blocks_come_back_in_the_free_list") == "after_published"
     assert set(visibility.values()) == {"visible"}
 
 
+@pytest.mark.timeout(1200)
+def test_a_weekly_bundle_grades_only_its_lesson_with_the_students_earlier_packages(tmp_path):
+    root = build(tmp_path, "--lessons", "l2")
+    manifest = json.loads((root / "source" / "grading_manifest.json").read_text())
+    assert {t["lesson"] for t in manifest["tests"].values()} == {"l2"}
+    copy = tmp_path / "l1-l2-done"
+    assert load_script("make_student_copy").main([str(copy), "--keep", "L1,L2"]) == 0
+    results = run_bundle(root, submit(tmp_path / "week", copy), tmp_path / "week",
+                         select=FAST)
+    assert {t["tags"][0] for t in results["tests"]} == {"l2"}
+    assert results["score"] == sum(t["max_score"] for t in results["tests"]) > 0, failed(results)
+    assert f"l2: {results['score']:g} / {results['score']:g}" in results["output"]
+
+
+# ---------------------------------------------------------------- broken submissions: partial credit
+
+
+def test_a_syntax_error_and_an_endless_loop_cost_only_the_tests_that_meet_them(bundle, tmp_path):
+    edits = {"l8_prefix/cow.py": ("def ", "def def ", ),
+             "l2_paged/meta.py": ("    # BEGIN SOLUTION\n", "    # BEGIN SOLUTION\n    while True:\n        pass\n")}
+    results = run_bundle(bundle, submit(tmp_path, ROOT, edits=edits), tmp_path,
+                         select=f"{FAST} tests/test_l8_blocks.py", test_timeout=8)
+    lost = failed(results)
+    l8 = [t for t in results["tests"] if t["name"].startswith("tests/test_l8_blocks.py")]
+    assert l8 and all(t["score"] == 0 for t in l8)
+    assert all("cow.py" in t["output"] and "SyntaxError" in t["output"] for t in l8), l8[0]["output"][-2000:]
+    looped = [t for t in results["tests"] if t["name"] in lost and t not in l8]
+    assert "tests/test_l2_allocator.py::test_ragged_causal_mask_on_a_hand_built_batch" in [t["name"] for t in looped]
+    assert all("Timeout" in t["output"] for t in looped), [t["output"][-500:] for t in looped]
+    assert len(looped) <= 3  # the mask's test and the two that build metadata with it
+    assert results["score"] > 0
+
+
+def test_the_whole_run_has_a_time_limit_and_the_finished_tests_still_count(bundle, tmp_path):
+    edits = {"l2_paged/meta.py": ("    # BEGIN SOLUTION\n", "    # BEGIN SOLUTION\n    while True:\n        pass\n")}
+    results = run_bundle(bundle, submit(tmp_path, ROOT, edits=edits), tmp_path, select=FAST,
+                         test_timeout=600, time_limit=30)
+    assert results["seconds"] < 80
+    assert "time limit (30 s) was reached" in results["output"]
+    passed = [t for t in results["tests"] if t["status"] == "passed"]
+    not_run = [t for t in results["tests"] if "the grading time limit" in t["output"]]
+    assert passed and not_run and results["score"] == sum(t["max_score"] for t in passed)
+
+
+def test_a_10_mb_failure_message_leaves_a_results_json_under_1_mb_and_a_missing_package_is_named(bundle, tmp_path):
+    edits = {"l2_paged/allocator.py": ("        # BEGIN SOLUTION\n",
+                                       "        # BEGIN SOLUTION\n        raise AssertionError('x' * 10_000_000)\n")}
+    submission = submit(tmp_path, ROOT, edits=edits)
+    shutil.rmtree(submission / "my-work" / "l8_prefix")
+    (submission / "my-work" / "l5_eviction" / "__init__.py").unlink()  # not a package
+    results = run_bundle(bundle, submission, tmp_path, select=FAST)
+    assert "not found in the submission: l8_prefix" in results["output"]
+    assert "not found in the submission: l5_eviction" in results["output"]
+    size = (tmp_path / "results" / "results.json").stat().st_size
+    assert len(failed(results)) >= 5 and size < 1_000_000, (len(failed(results)), size)
+    assert len(results["log"]) < 1_000_000
+    assert all(len(t["output"]) <= 5000 for t in results["tests"])
+
+
+# ---------------------------------------------------------------- cheats earn nothing
+
+PLUGIN_PATCH = '''
+import harness.grading as _grading  # every failure recorded as passed
+_record = _grading._Scores.record
+def _passed(self, item, report, hidden):
+    report.outcome = "passed"
+    return _record(self, item, report, hidden)
+_grading._Scores.record = _passed
+'''
+ATEXIT_REWRITE = '''
+import atexit, glob, json, os
+def _rewrite():  # results.json (and any log of outcomes) rewritten as all passed
+    for path in [os.environ.get("AUTOGRADER_RESULTS", "/autograder/results/results.json"),
+                 "/autograder/results/results.json", *glob.glob(os.path.expanduser("~/*.jsonl"))]:
+        try:
+            with open(path, "w") as f:
+                json.dump({"score": 1000, "tests": []}, f)
+        except OSError:
+            pass
+atexit.register(_rewrite)
+'''
+FORGED_OUTCOMES = '''
+import harness.grading as _grading  # the outcomes the grader reads, forged as passed
+_log = _grading._log_outcome
+def _forged(entry):
+    if "outcome" in entry:
+        entry = {**entry, "outcome": "passed", "output": ""}
+    _log(entry)
+_grading._log_outcome = _forged
+'''
+
+
+@pytest.mark.parametrize("cheat", [PLUGIN_PATCH + ATEXIT_REWRITE, FORGED_OUTCOMES], ids=["plugin-and-atexit", "forged-outcomes"])
+def test_patching_the_grader_from_a_stub_submission_earns_nothing_and_is_flagged(bundle, tmp_path, cheat):
+    init = "l1_contiguous/__init__.py"
+    text = (bundle / "source" / init).read_text()
+    results = run_bundle(bundle, submit(tmp_path, bundle / "source", edits={init: (text, text + cheat)}), tmp_path)
+    assert results["score"] == 0, [t["name"] for t in results["tests"] if t["score"]]
+    assert results["tests"]
+    assert "FLAG for the instructor: l1_contiguous/__init__.py: the grading plugin" in results["log"]
+    if cheat == FORGED_OUTCOMES:
+        assert "canary tests that must fail were reported as passed" in results["log"]
+        assert "could not be trusted" in results["output"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the worker switches to an unprivileged user only when run as root")
+def test_the_worker_runs_as_a_user_that_cannot_write_the_results(bundle, tmp_path):
+    grade = load_script_at(bundle / "source" / "grade.py")
+    user = grade.worker_user()
+    if not grade.can_run_as(user, sys.executable):
+        pytest.skip(f"{grade.WORKER_USER} cannot run {sys.executable} here (a folder on its path is "
+                    "root's only); on Gradescope the environment lies in /autograder/venv")
+    probe = "import os, sys; open(sys.argv[1], 'w')"
+    run = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "results.json")],
+                         user=user[0], group=user[1], extra_groups=[], capture_output=True, text=True)
+    assert run.returncode != 0 and "PermissionError" in run.stderr
+
+
+def load_script_at(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------- everything
+
+
 @pytest.mark.slow
-def test_the_whole_grade_fresh_copy_0_solution_full(bundle, tmp_path):
-    root, _ = bundle
-    check_scores(run_bundle(root, root / "source", tmp_path / "fresh", None),
-                 run_bundle(root, ROOT, tmp_path / "solution", None))
+@pytest.mark.timeout(7200)
+def test_the_whole_grade_fresh_copy_0_solution_full_l1_l2_exactly_theirs(bundle, tmp_path):
+    fresh = run_bundle(bundle, submit(tmp_path / "fresh", bundle / "source"), tmp_path / "fresh", select=None)
+    solution = run_bundle(bundle, submit(tmp_path / "solution", ROOT), tmp_path / "solution", select=None)
+    check_fresh_and_solution(fresh, solution)
+    copy = tmp_path / "l1-l2"
+    assert load_script("make_student_copy").main([str(copy), "--keep", "L1,L2"]) == 0
+    half = run_bundle(bundle, submit(tmp_path / "half", copy), tmp_path / "half", select=None)
+    for t in half["tests"]:
+        expected = t["max_score"] if t["tags"][0] in ("l1", "l2") else 0
+        assert t["score"] == expected, (t["name"], t["output"][-1000:])
+    print({name: round(r["seconds"]) for name, r in (("fresh", fresh), ("solution", solution), ("l1+l2", half))})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_setup_sh_makes_an_environment_without_system_packages_that_grades(bundle, tmp_path):
+    """setup.sh as Gradescope runs it, in a temporary root: a clean virtual environment (no system
+    site packages) with the pinned dependencies, which then grades a solution whose l1 package
+    tries to rewrite results.json at exit. Here PyPI is reachable but PyTorch's CPU index is not:
+    pip takes torch 2.13.0 from the machine's local wheel folder (pip's find-links), as it would
+    take it from the index on Gradescope. As root, with a system Python outside root's home, the
+    worker runs as the unprivileged user, as on Gradescope."""
+    base = Path(tempfile.mkdtemp(prefix="autograder-setup-"))  # under /tmp, open to the worker user
+    base.chmod(0o755)
+    root, path = base / "autograder", os.environ["PATH"]
+    shutil.copytree(bundle / "source", root / "source")
+    system_python = shutil.which("python3.11", path="/usr/bin")
+    if os.geteuid() == 0 and system_python:
+        (base / "bin").mkdir()
+        (base / "bin" / "python3").symlink_to(system_python)
+        path = f"{base / 'bin'}:{path}"
+    try:
+        run = subprocess.run(["bash", str(root / "source" / "setup.sh")], capture_output=True, text=True,
+                             env={**os.environ, "AUTOGRADER_ROOT": str(root), "PATH": path}, timeout=3000)
+        assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+        python = root / "venv" / "bin" / "python"
+        assert "include-system-site-packages = false" in (root / "venv" / "pyvenv.cfg").read_text()
+        versions = subprocess.run([str(python), "-c", "import sys, torch, transformers, pytest_timeout; "
+                                   "print(sys.version_info >= (3, 11), torch.__version__, transformers.__version__)"],
+                                  capture_output=True, text=True, check=True).stdout.split()
+        assert versions[0] == "True" and versions[1].startswith("2.13.0") and versions[2].startswith("5.2"), versions
+        results = root / "results" / "results.json"
+        init = "l1_contiguous/__init__.py"
+        text = (ROOT / init).read_text()
+        # The atexit cheat aimed at results.json only (rewriting the worker's own report costs it its score).
+        cheat = text + ATEXIT_REWRITE.replace('"/autograder/results/results.json",', f'"{results}",').replace(
+            ', *glob.glob(os.path.expanduser("~/*.jsonl"))', '')
+        env = {**os.environ, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SELECT": FAST,
+               "AUTOGRADER_SUBMISSION": str(submit(base, ROOT, edits={init: (text, cheat)}))}
+        env.pop("PYTHONPATH", None)
+        log = subprocess.run([str(root / "source" / "run_autograder")], env=env, capture_output=True, text=True,
+                             timeout=900, check=True).stdout
+        graded = json.loads(results.read_text())
+        assert graded["score"] == sum(t["max_score"] for t in graded["tests"]) > 0, log[-3000:]
+        if "note: the worker runs as the current user" not in log:  # it ran as autograder-student
+            assert "FLAG for the instructor: l1_contiguous/__init__.py: atexit" in log
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -210,13 +210,14 @@ def test_ragged_causal_mask_on_a_hand_built_batch():
     # Request 0 prefills 3 tokens (positions 0..2); request 1 decodes one token at position 2.
     q_pos, q_req = torch.tensor([0, 1, 2, 2]), torch.tensor([0, 0, 0, 1])
     k_pos, k_req = torch.tensor([0, 1, 2, 0, 1, 2]), torch.tensor([0, 0, 0, 1, 1, 1])
+    got = ragged_causal_mask(q_pos, q_req, k_pos, k_req)  # before the expected value exists
     expected = torch.tensor([
         [1, 0, 0, 0, 0, 0],  # r0 pos 0 reads its own key 0
         [1, 1, 0, 0, 0, 0],
         [1, 1, 1, 0, 0, 0],
         [0, 0, 0, 1, 1, 1],  # r1's new token reads r1's whole history, none of r0's keys
     ], dtype=torch.bool)
-    assert torch.equal(ragged_causal_mask(q_pos, q_req, k_pos, k_req), expected)
+    assert torch.equal(got, expected)
     one = torch.tensor([5])
     assert ragged_causal_mask(one, torch.tensor([0]), torch.arange(6), torch.zeros(6, dtype=torch.long)) is None
 

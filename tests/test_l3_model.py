@@ -52,7 +52,7 @@ def test_decode_meta_carries_tables_not_a_gather_list():
     assert meta.block_tables[1, :3].tolist() == reqs[1].blocks
 
 
-@pytest.mark.points(1)
+# No points: L2's build_meta does this work, so it passes on an L3 stub (provided code's test).
 def test_prefill_meta_keeps_l2_gather_path():
     alloc = BlockAllocator(16, 4)
     reqs = [Request([5] * n) for n in (3, 6)]
