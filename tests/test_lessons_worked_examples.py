@@ -30,9 +30,11 @@ def config(name: str) -> Qwen3Config:
 
 
 def assert_in_lesson(lesson: str, *expected: str) -> None:
-    text = " ".join((LESSONS / lesson).read_text().split())  # wrapping and indentation do not matter
+    """`lesson` is a file of lessons/ or, with a slash, a path from the repository root (docs/...)."""
+    path = LESSONS.parent / lesson if "/" in lesson else LESSONS / lesson
+    text = " ".join(path.read_text().split())  # wrapping and indentation do not matter
     for piece in expected:
-        assert " ".join(piece.split()) in text, f"lessons/{lesson} should contain: {piece}"
+        assert " ".join(piece.split()) in text, f"{path.relative_to(LESSONS.parent)} should contain: {piece}"
 
 
 def n(x: int) -> str:
@@ -56,8 +58,8 @@ def test_l2_pool_sizing_table():
         blocks = num_blocks_for_budget(cfg, int(budget_gb * 1e9), 16, torch.bfloat16)
         assert_in_lesson("L2-paged.md", f"| {budget_gb} GB | {n(blocks)} | {n(blocks * 16)} | {blocks * 16 // 4096} |",
                          f"| {n(cfg.kv_bytes_per_token(2))} | {n(bytes_per_block(cfg, 16, torch.bfloat16))} (")
-    blocks = num_blocks_for_budget(config("Qwen3-8B"), int(53.6e9), 16, torch.bfloat16)  # §10.1
-    assert_in_lesson("L2-paged.md", f"{n(blocks)} blocks of 16 ({n(blocks * 16)} token slots)")
+    blocks = num_blocks_for_budget(config("Qwen3-8B"), int(53.6e9), 16, torch.bfloat16)  # engines §1.1
+    assert_in_lesson("docs/engines.md", f"{n(blocks)} blocks of 16 ({n(blocks * 16)} token slots)")
 
 
 def test_l3_decode_step_metadata():
@@ -203,17 +205,25 @@ def test_l2_worked_example_counters(tiny_model_dir):
 
 
 def test_what_engines_do_now_arithmetic():
-    """The §10 sections' bytes per token, from the configs (fp8, tensor parallel, latent caches)."""
+    """L1 §10's table and docs/engines.md: bytes per token from the configs (fp8, tensor parallel,
+    latent caches), and L3 §10's chunk over a long cached context."""
     cfg = config("Qwen3-8B")
     L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     bf16 = cfg.kv_bytes_per_token(2)
     per_gpu = [2 * L * max(1, H // tp) * D * 2 for tp in (1, 2, 4, 8, 16)]  # a KV head is never split
-    assert_in_lesson("L2-paged.md", "| bytes per token per GPU | " + " | ".join(map(n, per_gpu)) + " |")
+    assert_in_lesson("docs/engines.md", "| bytes per token per GPU | " + " | ".join(map(n, per_gpu)) + " |")
     latent = L * (512 + 64) * 2
-    assert_in_lesson("L1-contiguous.md", f"| {n(bf16)} | section 4 |", f"| {n(cfg.kv_bytes_per_token(1))} | L3 §10.3 |",
-                     f"| {n(per_gpu[2])} per GPU | L2 §10.2 |", f"| {n(latent)} | here |",
+    assert_in_lesson("L1-contiguous.md", f"| {n(bf16)} | section 4 |",
+                     f"| {n(cfg.kv_bytes_per_token(1))} | `docs/engines.md` §2.2 |",
+                     f"| {n(per_gpu[2])} per GPU | `docs/engines.md` §1.2 |", f"× 2 | {n(latent)} | below |",
                      f"61 × 576 × 2 = {n(61 * 576 * 2)}")
+    assert_in_lesson("docs/engines.md", f"Qwen3-8B's {n(bf16)} bytes per token become {n(cfg.kv_bytes_per_token(1))}")
     chunk, cached = 512, 16384
+    layer_weights = L * (cfg.hidden_size * (cfg.num_attention_heads + 2 * H) * D  # q, k, v
+                         + cfg.num_attention_heads * D * cfg.hidden_size + 3 * cfg.hidden_size * 12288)  # o, MLP
+    matmul = 2 * layer_weights * chunk
+    attention = 4 * L * cfg.num_attention_heads * D * chunk * (chunk + cached)
     assert_in_lesson("L3-block-kernel.md", f"(L + C) × {n(bf16)} B = {n(chunk + cached)} × {n(bf16)} B = "
                                            f"{(chunk + cached) * bf16 / 1e9:.2f} GB",
-                     f"Qwen3-8B's {n(bf16)} bytes per token become {n(cfg.kv_bytes_per_token(1))}")
+                     f"2 × {layer_weights / 1e9:.2f}e9 × 512 ≈ {matmul / 1e12:.1f} TFLOP",
+                     f"≈ {attention / 1e12:.1f} TFLOP (either way)", f"next to {(matmul + attention) / 1e12:.1f} TFLOP")
