@@ -16,11 +16,11 @@ from l1_contiguous.config import Qwen3Config
 
 pytestmark = [pytest.mark.course, pytest.mark.usefixtures("one_torch_thread")]
 
-SHAPES = {  # the real checkpoints' attention shapes (config.json of each)
+SHAPES = {  # the real checkpoints' shapes (config.json of each)
     "Qwen3-0.6B": dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       hidden_size=1024),
+                       hidden_size=1024, intermediate_size=3072),
     "Qwen3-8B": dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     hidden_size=4096),
+                     hidden_size=4096, intermediate_size=12288),
 }
 
 
@@ -39,6 +39,14 @@ def assert_in_lesson(lesson: str, *expected: str) -> None:
 
 def n(x: int) -> str:
     return f"{x:,}"
+
+
+def layer_weights(cfg: Qwen3Config) -> int:
+    """The weights every token multiplies in the layers (q, k, v, o, MLP): the lessons' FLOP count
+    is 2 per such weight per token; the embedding is a lookup and the head runs on the last row."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attention = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d + cfg.num_attention_heads * d * h
+    return cfg.num_hidden_layers * (attention + 3 * h * cfg.intermediate_size)
 
 
 def test_l1_bytes_per_token_table():
@@ -219,11 +227,31 @@ def test_what_engines_do_now_arithmetic():
                      f"61 × 576 × 2 = {n(61 * 576 * 2)}")
     assert_in_lesson("docs/engines.md", f"Qwen3-8B's {n(bf16)} bytes per token become {n(cfg.kv_bytes_per_token(1))}")
     chunk, cached = 512, 16384
-    layer_weights = L * (cfg.hidden_size * (cfg.num_attention_heads + 2 * H) * D  # q, k, v
-                         + cfg.num_attention_heads * D * cfg.hidden_size + 3 * cfg.hidden_size * 12288)  # o, MLP
-    matmul = 2 * layer_weights * chunk
+    matmul = 2 * layer_weights(cfg) * chunk
     attention = 4 * L * cfg.num_attention_heads * D * chunk * (chunk + cached)
     assert_in_lesson("L3-block-kernel.md", f"(L + C) × {n(bf16)} B = {n(chunk + cached)} × {n(bf16)} B = "
                                            f"{(chunk + cached) * bf16 / 1e9:.2f} GB",
-                     f"2 × {layer_weights / 1e9:.2f}e9 × 512 ≈ {matmul / 1e12:.1f} TFLOP",
+                     f"2 × {layer_weights(cfg) / 1e9:.2f}e9 × 512 ≈ {matmul / 1e12:.1f} TFLOP",
                      f"≈ {attention / 1e12:.1f} TFLOP (either way)", f"next to {(matmul + attention) / 1e12:.1f} TFLOP")
+
+
+def test_l5_swap_or_recompute_table():
+    """L5 §2.6: a 2,048-token victim, 50 GB/s each way, 40% of 989 TFLOP/s; bytes from the configs,
+    FLOPs over the layers' weights plus causal attention."""
+    tokens, link, compute = 2048, 50e9, 0.4 * 989e12
+    for name, tflop in (("Qwen3-0.6B", "{:.2f}"), ("Qwen3-8B", "{:.1f}")):
+        cfg = config(name)
+        kv = cfg.kv_bytes_per_token(2) * tokens
+        matmul = 2 * layer_weights(cfg) * tokens
+        attention = 4 * cfg.num_hidden_layers * (tokens ** 2 // 2) * cfg.num_attention_heads * cfg.head_dim
+        recompute_ms = (matmul + attention) / compute * 1e3
+        assert_in_lesson("L5-eviction.md",
+                         f"| {name} | {n(cfg.kv_bytes_per_token(2))} × {n(tokens)} = {kv / 1e6:.1f} MB "
+                         f"| {kv / link * 1e3:.1f} ms | {2 * kv / link * 1e3:.1f} ms "
+                         f"| {tflop.format(matmul / 1e12)} + {attention / 1e12:.2f} = "
+                         f"{tflop.format((matmul + attention) / 1e12)} TFLOP "
+                         f"| {recompute_ms:.1f} ms |" if recompute_ms < 10 else
+                         f"| {name} | {n(cfg.kv_bytes_per_token(2))} × {n(tokens)} = {kv / 1e6:.1f} MB "
+                         f"| {kv / link * 1e3:.1f} ms | {2 * kv / link * 1e3:.1f} ms "
+                         f"| {tflop.format(matmul / 1e12)} + {attention / 1e12:.2f} = "
+                         f"{tflop.format((matmul + attention) / 1e12)} TFLOP | {recompute_ms:.0f} ms |")
