@@ -17,7 +17,7 @@ import pytest
 
 from helpers import load_script
 
-pytestmark = [pytest.mark.course]
+pytestmark = [pytest.mark.course, pytest.mark.timeout(1200)]  # each test runs the autograder on a whole copy
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("l1_contiguous", "l2_paged", "l3_block_kernel", "l5_eviction", "l8_prefix")

@@ -19,7 +19,7 @@ import pytest
 
 from helpers import load_script
 
-pytestmark = [pytest.mark.course]
+pytestmark = [pytest.mark.course, pytest.mark.timeout(1200)]  # each test grades a whole student copy in a subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ("l1", "l2", "l3", "l5", "l8")
