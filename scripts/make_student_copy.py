@@ -13,7 +13,8 @@ becomes one line
 
 at the BEGIN line's indentation, naming the lesson (from the package), the enclosing function or
 `Class.method`, the lesson text and the section that explains it (from the table of the lesson's
-"What you write" section). `--keep L1` leaves L1's regions in place (a copy in which the student
+"What you write" section). The copy's README is the repository's without its "For instructors"
+section. `--keep L1` leaves L1's regions in place (a copy in which the student
 finished L1). Other files (notebooks, .cu/.cpp sources) are copied as they are. Unbalanced or
 nested fences stop the script with the file and line. The same tests then grade the student's
 work: in OUT_DIR, `make setup`, `source .venv/bin/activate`, then `pytest -m l1`.
@@ -40,6 +41,7 @@ LESSON_PACKAGES = {"l1_contiguous": "L1", "l2_paged": "L2", "l3_block_kernel": "
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 MARKER = ".student-copy"  # written into every copy: --force replaces only a folder that has it
 INSTRUCTOR_ONLY = ("instructor/",)  # path prefixes left out of the copy
+INSTRUCTOR_SECTION = "## For instructors"  # the README's section the copy's README leaves out
 # A test module marked `course` as a whole (the course's own checks: model files, the copy, the
 # lessons' quotes) is instructor-only too: in a copy it could only fail because of the stubs.
 _COURSE_MODULE = re.compile(r"^pytestmark\s*=.*\bmark\.course\b", re.M)
@@ -169,6 +171,8 @@ def make_student_copy(root: Path, out_dir: Path, keep: frozenset[str] = frozense
                     raise FenceError(f"{rel}:{exc.lineno}: not valid Python once stubbed ({exc.msg})") from None
                 planned[rel] = text
                 stubbed.append(Stubbed(rel, n))
+    if "README.md" in files:
+        planned["README.md"] = student_readme((root / "README.md").read_text(encoding="utf-8"))
     for rel in files:
         dest = out_dir / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +210,17 @@ def _git_ignored(path: Path) -> bool:
                               capture_output=True).returncode == 0
     except OSError:  # no git: nothing inside the repository is known to be safe
         return False
+
+
+def student_readme(text: str) -> str:
+    """The README without its instructors' section and without the layout's `instructor/` line."""
+    lines, skipping = [], False
+    for line in text.split("\n"):
+        if line.startswith("## "):
+            skipping = line.strip() == INSTRUCTOR_SECTION
+        if not skipping and not line.startswith("instructor/"):
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

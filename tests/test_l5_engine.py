@@ -220,6 +220,39 @@ def only_victim(sched, now) -> tuple[EngineRequest, list]:
 # request has room left in its last block. The pool has no free block, so X must take one.
 
 
+@pytest.mark.points(1)
+def test_swap_out_copies_only_the_blocks_holding_kv_and_swap_in_restores_them():
+    """L5 §2.6: `trim` before the copy. A victim at cur_len 5 holding 3 blocks of 4 (the third reserved
+    for tokens it never computed) sends 2 blocks to the host, in table order, and frees all 3."""
+    alloc = BlockAllocator(6, BLOCK_SIZE)
+    pool = BlockKvPool(TINY_CFG, 6, BLOCK_SIZE, torch.float32)
+    for layer in range(TINY_CFG.num_hidden_layers):  # every block filled with its own id, K and -V
+        for block in range(6):
+            pool.k_blocks[layer][block] = block
+            pool.v_blocks[layer][block] = -block
+    alloc.alloc_blocks(1)  # block 0 taken, so the victim's ids are not 0, 1, 2
+    victim = decoding_request(0, 5, 1)
+    reserve(victim, alloc, 12)
+    held = list(victim.blocks)
+    preemptor = Preemptor(pool, alloc, "swap")
+    preemptor.swap_out(victim)
+    assert victim.state is State.SWAPPED and victim.blocks == [] and victim.cur_len == 5
+    assert alloc.num_free == 5, "all three blocks go back, the one reserved past cur_len included"
+    for layer in range(TINY_CFG.num_hidden_layers):
+        k, v = victim.swapped.k[layer], victim.swapped.v[layer]
+        assert k.shape[0] == v.shape[0] == 2, "only ceil(cur_len / block_size) blocks travel: trim first"
+        assert k[:, 0, 0, 0].tolist() == held[:2] and (-v[:, 0, 0, 0]).tolist() == held[:2]
+    assert victim.swapped.nbytes == 2 * bytes_per_block(TINY_CFG, BLOCK_SIZE, torch.float32)
+    for layer in range(TINY_CFG.num_hidden_layers):  # the freed blocks are reused and overwritten
+        pool.k_blocks[layer].fill_(99.0)
+        pool.v_blocks[layer].fill_(99.0)
+    preemptor.swap_in(victim)
+    assert victim.state is State.RUNNING and victim.swapped is None and len(victim.blocks) == 2
+    for layer in range(TINY_CFG.num_hidden_layers):
+        for new, old in zip(victim.blocks, held):
+            assert bool((pool.k_blocks[layer][new] == old).all()) and bool((pool.v_blocks[layer][new] == -old).all())
+
+
 @pytest.mark.points(2)
 @pytest.mark.parametrize("mode", MODES)
 def test_lru_evicts_the_least_recently_scheduled(mode):

@@ -212,11 +212,27 @@ def soak_workload(num_requests: int, seed: int, vocab: int = 128):
     return items, aborts
 
 
+def bounded_steps(engine, items):
+    """Yield once before each step until the engine is done. A correct engine finishes these
+    workloads in well under one step per token (about 0.35 on the soaks); a schedule that stops
+    making progress (a request never admitted, or one that preempts itself every step) fails here,
+    named, instead of spinning until the time limit."""
+    limit = engine.now + max((w.arrival_step for w in items), default=0) + \
+        sum(len(w.prompt_ids) + w.max_new_tokens for w in items) + 20
+    while engine.has_unfinished():
+        if engine.now >= limit:
+            s = engine.scheduler
+            pytest.fail(f"not finished after {limit} steps: {len(s.running)} running, {len(s.waiting)} waiting, "
+                        f"{len(s.swapped)} swapped, {s.alloc.num_free} blocks free; a request that is never "
+                        "admitted or that preempts itself every step (the watermark: L5 §2.4)")
+        yield
+
+
 def run_soak(model, items, aborts, num_blocks, check_every_step=False, **options):
     engine = make_engine(model, num_blocks, BLOCK_SIZE, **options)
     for item in items:
         engine.add_request(item)
-    while engine.has_unfinished():
+    for _ in bounded_steps(engine, items):
         for rid in aborts.get(engine.now, []):
             engine.abort(rid)
         engine.step()
@@ -305,16 +321,23 @@ PREEMPTING_OPS = [("add", [1, 2, 3, 4, 5], 4, 0, 0), ("add", [6, 7, 8, 9, 10, 11
                   ("add", [20, 21, 22, 23], 3, 0, 0)]
 
 
+# Alone, one request grows into the whole pool: the watermark must not stop a running request from
+# taking the last free block (L5 §2.4), or it preempts itself every step and never finishes.
+WHOLE_POOL_OPS = [("add", list(range(1, 9)), 8, 0, 0)]  # 8 + 8 - 1 positions: 4 blocks of 4
+
+
 @pytest.mark.points(4)
 @settings(max_examples=budget(200, 25), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @example(ops=PREEMPTING_OPS, mode="recompute", policy="lru", chunk=None, watermark=0, num_blocks=4)
 @example(ops=PREEMPTING_OPS, mode="swap", policy="priority", chunk=2, watermark=0, num_blocks=4)
+@example(ops=WHOLE_POOL_OPS, mode="recompute", policy="lru", chunk=2, watermark=1, num_blocks=4)
 @given(ops=OPS, mode=st.sampled_from(MODES), policy=st.sampled_from(POLICIES),
        chunk=st.sampled_from([None, 2, 5]), watermark=st.integers(0, 2), num_blocks=st.integers(4, 6))
 def test_random_operations_keep_every_invariant(ops, mode, policy, chunk, watermark, num_blocks, small_model):
     engine = make_engine(small_model, num_blocks, BLOCK_SIZE, preempt=mode, policy=policy,
                          prefill_chunk=chunk, watermark_blocks=watermark)
+    added = []
     for op in ops:
         if op[0] == "add":
             _, prompt, max_new, priority, delay = op
@@ -324,12 +347,13 @@ def test_random_operations_keep_every_invariant(ops, mode, policy, chunk, waterm
                     engine.add_request(item)
             else:
                 engine.add_request(item)
+                added.append(item)
         elif op[0] == "step":
             engine.step()
         elif engine.requests:
             engine.abort(op[1] % len(engine.requests))
         check_invariants(engine)
-    while engine.has_unfinished():
+    for _ in bounded_steps(engine, added):
         engine.step()
         check_invariants(engine)
     check_all_released(engine)

@@ -44,7 +44,6 @@ def half_done(model, num_blocks=64):
     return pool, alloc, decodes + [fresh, halfway], [1, 1, 9, 3]
 
 
-@pytest.mark.points(2)
 def test_step_meta_is_l3s_two_metas_side_by_side(model):
     pool, alloc, reqs, num_new = half_done(model)
     for req, n in zip(reqs, num_new):

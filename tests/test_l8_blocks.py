@@ -45,6 +45,21 @@ def test_keys_do_not_depend_on_token_boundaries_being_guessed():
     assert block_key(None, [2**40]) != block_key(None, [0, 256])
 
 
+@pytest.mark.points(1)
+def test_keys_are_blake2b_128_over_the_parent_then_the_tokens_as_little_endian_int64():
+    """L8 §2.1's packing, computed independently: the parent's bytes, then each token as `<q`."""
+    import hashlib
+    import struct
+
+    def expected(parent: bytes, tokens: list[int]) -> bytes:
+        return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).digest()
+
+    first = block_key(None, X)
+    assert type(first) is bytes and first == expected(b"", X)
+    assert block_key(first, [5, -1, 2**40, 0]) == expected(first, [5, -1, 2**40, 0])  # a negative id packs too
+    assert block_key(None, [-1]) != block_key(None, [-2])
+
+
 @pytest.mark.points(2)
 def test_keys_are_the_same_in_another_process_with_another_hash_seed():
     tokens = list(range(1000, 1037))

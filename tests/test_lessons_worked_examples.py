@@ -16,11 +16,11 @@ from l1_contiguous.config import Qwen3Config
 
 pytestmark = [pytest.mark.course, pytest.mark.usefixtures("one_torch_thread")]
 
-SHAPES = {  # the real checkpoints' attention shapes (config.json of each)
+SHAPES = {  # the real checkpoints' shapes (config.json of each)
     "Qwen3-0.6B": dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       hidden_size=1024),
+                       hidden_size=1024, intermediate_size=3072),
     "Qwen3-8B": dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     hidden_size=4096),
+                     hidden_size=4096, intermediate_size=12288),
 }
 
 
@@ -30,13 +30,23 @@ def config(name: str) -> Qwen3Config:
 
 
 def assert_in_lesson(lesson: str, *expected: str) -> None:
-    text = " ".join((LESSONS / lesson).read_text().split())  # wrapping and indentation do not matter
+    """`lesson` is a file of lessons/ or, with a slash, a path from the repository root (docs/...)."""
+    path = LESSONS.parent / lesson if "/" in lesson else LESSONS / lesson
+    text = " ".join(path.read_text().split())  # wrapping and indentation do not matter
     for piece in expected:
-        assert " ".join(piece.split()) in text, f"lessons/{lesson} should contain: {piece}"
+        assert " ".join(piece.split()) in text, f"{path.relative_to(LESSONS.parent)} should contain: {piece}"
 
 
 def n(x: int) -> str:
     return f"{x:,}"
+
+
+def layer_weights(cfg: Qwen3Config) -> int:
+    """The weights every token multiplies in the layers (q, k, v, o, MLP): the lessons' FLOP count
+    is 2 per such weight per token; the embedding is a lookup and the head runs on the last row."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attention = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d + cfg.num_attention_heads * d * h
+    return cfg.num_hidden_layers * (attention + 3 * h * cfg.intermediate_size)
 
 
 def test_l1_bytes_per_token_table():
@@ -56,8 +66,8 @@ def test_l2_pool_sizing_table():
         blocks = num_blocks_for_budget(cfg, int(budget_gb * 1e9), 16, torch.bfloat16)
         assert_in_lesson("L2-paged.md", f"| {budget_gb} GB | {n(blocks)} | {n(blocks * 16)} | {blocks * 16 // 4096} |",
                          f"| {n(cfg.kv_bytes_per_token(2))} | {n(bytes_per_block(cfg, 16, torch.bfloat16))} (")
-    blocks = num_blocks_for_budget(config("Qwen3-8B"), int(53.6e9), 16, torch.bfloat16)  # §10.1
-    assert_in_lesson("L2-paged.md", f"{n(blocks)} blocks of 16 ({n(blocks * 16)} token slots)")
+    blocks = num_blocks_for_budget(config("Qwen3-8B"), int(53.6e9), 16, torch.bfloat16)  # engines §1.1
+    assert_in_lesson("docs/engines.md", f"{n(blocks)} blocks of 16 ({n(blocks * 16)} token slots)")
 
 
 def test_l3_decode_step_metadata():
@@ -203,17 +213,40 @@ def test_l2_worked_example_counters(tiny_model_dir):
 
 
 def test_what_engines_do_now_arithmetic():
-    """The §10 sections' bytes per token, from the configs (fp8, tensor parallel, latent caches)."""
+    """L1 §10's table and docs/engines.md: bytes per token from the configs (fp8, tensor parallel,
+    latent caches), and L3 §10's chunk over a long cached context."""
     cfg = config("Qwen3-8B")
     L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     bf16 = cfg.kv_bytes_per_token(2)
     per_gpu = [2 * L * max(1, H // tp) * D * 2 for tp in (1, 2, 4, 8, 16)]  # a KV head is never split
-    assert_in_lesson("L2-paged.md", "| bytes per token per GPU | " + " | ".join(map(n, per_gpu)) + " |")
+    assert_in_lesson("docs/engines.md", "| bytes per token per GPU | " + " | ".join(map(n, per_gpu)) + " |")
     latent = L * (512 + 64) * 2
-    assert_in_lesson("L1-contiguous.md", f"| {n(bf16)} | section 4 |", f"| {n(cfg.kv_bytes_per_token(1))} | L3 §10.3 |",
-                     f"| {n(per_gpu[2])} per GPU | L2 §10.2 |", f"| {n(latent)} | here |",
+    assert_in_lesson("L1-contiguous.md", f"| {n(bf16)} | section 4 |",
+                     f"| {n(cfg.kv_bytes_per_token(1))} | `docs/engines.md` §2.2 |",
+                     f"| {n(per_gpu[2])} per GPU | `docs/engines.md` §1.2 |", f"× 2 | {n(latent)} | below |",
                      f"61 × 576 × 2 = {n(61 * 576 * 2)}")
+    assert_in_lesson("docs/engines.md", f"Qwen3-8B's {n(bf16)} bytes per token become {n(cfg.kv_bytes_per_token(1))}")
     chunk, cached = 512, 16384
+    matmul = 2 * layer_weights(cfg) * chunk
+    attention = 4 * L * cfg.num_attention_heads * D * chunk * (chunk + cached)
     assert_in_lesson("L3-block-kernel.md", f"(L + C) × {n(bf16)} B = {n(chunk + cached)} × {n(bf16)} B = "
                                            f"{(chunk + cached) * bf16 / 1e9:.2f} GB",
-                     f"Qwen3-8B's {n(bf16)} bytes per token become {n(cfg.kv_bytes_per_token(1))}")
+                     f"2 × {layer_weights(cfg) / 1e9:.2f}e9 × 512 ≈ {matmul / 1e12:.1f} TFLOP",
+                     f"≈ {attention / 1e12:.1f} TFLOP (either way)", f"next to {(matmul + attention) / 1e12:.1f} TFLOP")
+
+
+def test_l5_swap_or_recompute_table():
+    """L5 §2.6: a 2,048-token victim, 50 GB/s each way, 40% of 989 TFLOP/s; bytes from the configs,
+    FLOPs over the layers' weights plus causal attention."""
+    tokens, link, compute = 2048, 50e9, 0.4 * 989e12
+    for name, tflop, ms in (("Qwen3-0.6B", "{:.2f}", "{:.1f}"), ("Qwen3-8B", "{:.1f}", "{:.0f}")):
+        cfg = config(name)
+        kv = cfg.kv_bytes_per_token(2) * tokens
+        matmul = 2 * layer_weights(cfg) * tokens
+        attention = 4 * cfg.num_hidden_layers * (tokens ** 2 // 2) * cfg.num_attention_heads * cfg.head_dim
+        assert_in_lesson("L5-eviction.md",
+                         f"| {name} | {n(cfg.kv_bytes_per_token(2))} × {n(tokens)} = {kv / 1e6:.1f} MB "
+                         f"| {kv / link * 1e3:.1f} ms | {2 * kv / link * 1e3:.1f} ms "
+                         f"| {tflop.format(matmul / 1e12)} + {attention / 1e12:.2f} = "
+                         f"{tflop.format((matmul + attention) / 1e12)} TFLOP "
+                         f"| {ms.format((matmul + attention) / compute * 1e3)} ms |")

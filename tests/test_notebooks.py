@@ -14,7 +14,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("L*_*.ipynb"))
 
 def _param(path: Path):
     lesson = path.name.split("_")[0].lower()  # "L2_paged.ipynb" -> "l2"
-    marks = [getattr(pytest.mark, lesson), pytest.mark.notebook, pytest.mark.points(2)]
+    # A whole notebook runs in one test: longer than the default per-test limit on a busy machine.
+    marks = [getattr(pytest.mark, lesson), pytest.mark.notebook, pytest.mark.points(2), pytest.mark.timeout(900)]
     return pytest.param(path, id=path.stem, marks=marks)
 
 
