@@ -285,13 +285,19 @@ def reproduce_command(args, total_steps):
     return shlex.join(parts)
 
 
+ROLE_DEFAULT = """It is the repository's embedded default model: small
+enough to ship in git and to run on CPU, big enough to produce KJV-flavoured text and to
+exercise a real KV cache. It is a teaching toy, not a useful language model."""
+ROLE_DRAFT = """It shares the tokenizer of `{}` and drafts
+tokens for it in speculative decoding (L10): a smaller model that guesses the larger one's
+next tokens, cheaply. It is a teaching toy, not a useful language model."""
+
+
 def write_readme(out_dir, info):
     text = f"""# {out_dir.name}
 
 A tiny causal language model (Qwen3 architecture, {info['params']:,} parameters) trained
-from scratch on the King James Bible. It is the repository's embedded default model: small
-enough to ship in git and to run on CPU, big enough to produce KJV-flavoured text and to
-exercise a real KV cache. It is a teaching toy, not a useful language model.
+from scratch on the King James Bible. {info['role']}
 
 ## Architecture (`Qwen3ForCausalLM`, float32)
 
@@ -419,6 +425,7 @@ def main():
         "threads": args.threads, "minutes": seconds / 60,
         "train_loss": history[-1][1], "val_loss": history[-1][2],
         "command": command, "hidden_size": args.hidden_size, "layers": args.layers,
+        "role": ROLE_DEFAULT if args.tokenizer is None else ROLE_DRAFT.format(args.tokenizer),
         "tokenizer_note": "" if args.tokenizer is None else
         f"Copied from `{args.tokenizer}` (same ids, so it can draft for that model). ",
     })
