@@ -49,6 +49,7 @@ class SpecCounters:
     proposed: int = 0
     accepted: int = 0
     forwards: int = 0  # target forwards (steps with work)
+    token_steps: int = 0  # request-steps that produced tokens: generated / token_steps = tokens per step
 
 
 class SpecScheduler(PrefixScheduler):
@@ -159,6 +160,7 @@ class SpecEngine(PrefixEngine):
         for req, _ in plan:
             if req.draft:
                 tokens[req.request_id] = self._settle(req, self._verified.pop(req.request_id))
+            self.spec.token_steps += req.num_pending == 0
         super()._commit(plan, tokens)  # L8 keys the blocks that are now full of accepted tokens
         for req, _ in plan:
             if req.state is State.FINISHED and self.drafter is not None:
@@ -205,7 +207,8 @@ class SpecEngine(PrefixEngine):
         return {**super().summary(), **asdict(s),
                 "acceptance_rate": s.accepted / s.proposed if s.proposed else 0.0,
                 "generated_tokens": generated,
-                "forwards_per_token": s.forwards / generated if generated else 0.0,
+                # Target forwards each token waited for: 1.0 for plain decoding, whatever the batch.
+                "forwards_per_token": s.token_steps / generated if generated else 0.0,
                 "draft_forwards": getattr(self.drafter, "forwards", 0)}
 
 
