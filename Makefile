@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # torch 2.13.0 is the CPU build available offline here; a plain `pip install torch` would pull
 # several GB of CUDA wheels. An already-installed torch (e.g. a CUDA build) is used as it is.
 TORCH  ?= torch==2.13.0
-LESSONS := l1 l2 l3 l5 l8
+LESSONS := l1 l2 l3 l5 l8 l10
 
 .PHONY: run test setup bench student-copy autograder notebooks lab clean \
 	$(addprefix smoke-,$(LESSONS)) $(addprefix check-,$(LESSONS))
