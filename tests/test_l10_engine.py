@@ -201,3 +201,31 @@ def test_aborting_mid_speculation_releases_everything(model, hf_ref):
     run_checked(engine, [])
     assert b.output_ids == hf_ref(PROMPTS[2], 30)
     assert drafter.alloc.num_free == drafter.alloc.num_blocks
+
+
+# ---------------------------------------------------------------- a step stays all or nothing
+
+INTERRUPT_POINTS = {  # name: (object of the engine, method, after its work?)
+    "drafter proposed": (lambda e: e.drafter, "propose", True),
+    "verify forward done": (lambda e: e.runner, "forward_logits", True),
+    "acceptance": (lambda e: e, "_verify", True),
+    "rewound, not yet committed": (lambda e: e, "_settle", True),
+    "keying after a rewind": (lambda e: e, "_register_full_blocks", False),
+}
+
+
+@pytest.mark.parametrize("point", INTERRUPT_POINTS)
+def test_an_interrupted_speculative_step_rolls_back(model, hf_ref, monkeypatch, point):
+    from test_step_atomicity import Trigger, interrupt, run_interrupted
+
+    drafter = DraftModelDrafter(model, num_blocks=24, block_size=4)
+    engine = make(model, drafter, k=4, num_blocks=14)
+    for item in [SampledWorkItem(PROMPTS[0], 20, n=2), SampledWorkItem(PROMPTS[2], 20)]:
+        engine.add_request(item)
+    target, name, after = INTERRUPT_POINTS[point]
+    trigger = Trigger(engine, at=3)
+    interrupt(monkeypatch, target(engine), name, trigger, after=after)
+    run_interrupted(engine, trigger, check_spec_invariants, monkeypatch)
+    check_all_released(engine)
+    assert_hf(engine.requests, hf_ref)
+    assert drafter.alloc.num_free == drafter.alloc.num_blocks
