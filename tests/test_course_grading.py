@@ -22,7 +22,7 @@ from helpers import load_script
 pytestmark = [pytest.mark.course]
 
 ROOT = Path(__file__).resolve().parent.parent
-LESSONS = ("l1", "l2", "l3", "l5", "l8")
+LESSONS = ("l1", "l2", "l3", "l5", "l8", "l10")
 
 
 def grade(cwd: Path, results: Path, *args: str, timeout: int = 900) -> list[dict]:

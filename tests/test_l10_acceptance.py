@@ -144,7 +144,7 @@ def test_rewind_keeps_exactly_the_blocks_of_the_new_length(block_size):
 
 
 @pytest.mark.points(1)
-def test_rewind_cannot_move_forward_and_changes_nothing_then():
+def test_rewind_refuses_to_move_forward_and_changes_nothing_then():
     alloc = BlockAllocator(4, 4)
     req = Request([1] * 6)
     reserve(req, alloc, 6)
@@ -152,6 +152,8 @@ def test_rewind_cannot_move_forward_and_changes_nothing_then():
     with pytest.raises(ValueError, match="only moves back"):
         rewind(req, alloc, 7)
     assert req.cur_len == 6 and len(req.blocks) == 2 and alloc.num_free == 2
+    rewind(req, alloc, 4)  # to a block boundary: the second block goes back
+    assert req.cur_len == 4 and len(req.blocks) == 1 and alloc.num_free == 3
 
 
 # ---------------------------------------------------------------- provided: the adaptive k rule
