@@ -207,12 +207,12 @@ def main(argv=None) -> int:
         import json
         Path(args.json).write_text(json.dumps(rows, indent=2))
     if args.markdown:
-        text = (f"### L10: speculative decoding\n\n{machine_line(args.threads, load_at_start)}\n\n"
+        text = (f"## L10: speculative decoding, and HF's prompt lookup and assistant model\n\n{machine_line(args.threads, load_at_start)}\n\n"
                 f"`{bench_command('bench_l10.py', sys.argv[1:] if argv is None else argv)}`: "
                 f"{args.max_new_tokens} new tokens per request (0.6B shape: {args.new_06b}), k = {args.k}, "
                 f"best of {args.repeat} alternating rounds. Speed-up is over HF greedy in the same workload.\n\n"
                 + markdown_table(rows, COLUMNS))
-        replace_section(args.markdown, "l10", text)
+        replace_section(args.markdown, "bench_l10", text)
     return 0 if all(r["ids = HF greedy"] == "yes" for r in rows) else 1
 
 

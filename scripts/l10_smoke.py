@@ -105,6 +105,7 @@ def drafter_figures(engine, drafter) -> dict:
                                    "prefix_hit_tokens", "cow_copies")}
     out["acceptance_rate"] = round(out["acceptance_rate"], 3)
     out["forwards_per_token"] = round(out["forwards_per_token"], 3)
+    out["preemptions"] = s["preempted_recompute"] + s["preempted_swap"]
     out["all_blocks_free_at_end"] = s["blocks_free_at_end"] == s["blocks_total"]
     if isinstance(drafter, DraftModelDrafter):
         out["draft_blocks_free_at_end"] = drafter.alloc.num_free == drafter.alloc.num_blocks
