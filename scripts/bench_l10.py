@@ -10,8 +10,9 @@ Systems, each making exactly --max-new-tokens per request (EOS off, so all do th
   HF assistant        `generate(assistant_model=<the same draft>)`  (batch 1 only)
 Workloads: batch 1 (each of the KJV prompts alone, one after the other) and a batch of --batch
 mixed requests at once (the prompts cut at different lengths), on the embedded model; then batch 1
-on a Qwen3-0.6B-shaped random model with --layers-0.6b layers (random ids: nothing repeats, a
-draft model does not exist, so speculation is near-zero acceptance: what a failed guess costs).
+on a Qwen3-0.6B-shaped random model with --layers-0.6b layers (a random segment repeated three
+times: prompt lookup proposes its continuation, which a random model does not follow; no draft
+model exists for it): near-zero acceptance, what failed guesses cost.
 Every system runs once untimed, then --repeat rounds in turns (alternating, so load coming and
 going hits all alike); the best round is reported. `forwards/token` counts the target's forwards
 each generated token waited for (1.0 for plain decoding; HF's are counted with a forward hook).
@@ -183,7 +184,9 @@ def bench_06b(args) -> list[dict]:
         model = load_engine_model(model_dir)
         hf_model = hf.load_hf_model(str(model_dir))
         gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, QWEN3_0_6B["vocab_size"], (48,), generator=gen).tolist()]
+        # A random segment three times: prompt lookup always proposes (the segment's continuation),
+        # and a random model does not follow it: the cost of proposals that fail.
+        prompts = [torch.randint(0, QWEN3_0_6B["vocab_size"], (16,), generator=gen).tolist() * 3]
         n = args.new_06b
         systems = {"HF greedy": hf_system(hf_model, False)[0],
                    "HF prompt lookup": hf_system(hf_model, False, prompt_lookup_num_tokens=args.k)[0],
