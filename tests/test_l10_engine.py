@@ -229,3 +229,11 @@ def test_an_interrupted_speculative_step_rolls_back(model, hf_ref, monkeypatch, 
     check_all_released(engine)
     assert_hf(engine.requests, hf_ref)
     assert drafter.alloc.num_free == drafter.alloc.num_blocks
+
+
+@pytest.mark.parametrize("k", [-1, 17, 2.5, True])
+def test_a_bad_k_is_refused_with_a_clear_error(model, k):
+    from l1_contiguous import InputError
+
+    with pytest.raises(InputError, match="k \\(proposals per step\\) must be an int in 0..16"):
+        make_spec_engine(model, 8, 4, drafter=PromptLookupDrafter(), k=k)

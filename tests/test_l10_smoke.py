@@ -27,6 +27,8 @@ def test_default_run_passes_with_both_drafters(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--k", "0"], "--k must be in 1..16"),
     (["--draft-model", "/nonexistent"], "is not a folder"),
+    (["--block-size", "0"], "must be at least 1"),
+    (["--block-size", "4", "--num-blocks", "1"], "raise --num-blocks"),
 ])
 def test_bad_options_exit_2_with_one_line(capsys, argv, message):
     status, report, err = run_script_json("l10_smoke", argv + ["--max-new-tokens", "2"], capsys)
@@ -42,3 +44,10 @@ def test_a_model_without_a_draft_runs_prompt_lookup_and_refuses_draft_model(tiny
     status, _, err = run_script_json("l10_smoke", ["--model", str(tiny_model_dir), "--prompt-ids", ids,
                                                    "--drafter", "draft-model"], capsys)
     assert status == 2 and "needs --draft-model" in err
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dir, make_model, capsys):
+    other = make_model(seed=1, vocab_size=300)
+    status, _, err = run_script_json("l10_smoke", ["--model", str(tiny_model_dir), "--draft-model", str(other),
+                                                   "--prompt-ids", "1,2,3", "--max-new-tokens", "2"], capsys)
+    assert status == 2 and "share its target's tokenizer" in err and len(err.strip().splitlines()) == 1
