@@ -237,3 +237,13 @@ def test_a_bad_k_is_refused_with_a_clear_error(model, k):
 
     with pytest.raises(InputError, match="k \\(proposals per step\\) must be an int in 0..16"):
         make_spec_engine(model, 8, 4, drafter=PromptLookupDrafter(), k=k)
+
+
+def test_a_stop_id_among_the_kept_proposals_ends_the_request_there(model, hf_ref):
+    """The oracle proposes HF's own ids, so the stop id arrives in the middle of a kept run."""
+    reference = hf_ref(PROMPTS[2], 20)
+    stop = reference[6]
+    first = reference.index(stop)  # it may occur earlier than index 6
+    engine = make(model, OracleDrafter(hf_ref, 20, wrong_every=100), k=8, adaptive_k=False)
+    requests = run_checked(engine, [SampledWorkItem(PROMPTS[2], 20, stop_token_ids=(stop,))])
+    assert requests[0].output_ids == reference[:first + 1] and requests[0].finish_reason == "stop"
