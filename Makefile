@@ -62,13 +62,14 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/jupyter-lab || $(PY) -m pip install --ignore-installed "jupyterlab>=4.2"
 	touch $(STAMP)
 
-# L1-L3 print their tables; L5 and L8 also rewrite their sections of docs/benchmarks.md, under a
+# L1-L3 print their tables; L5, L8 and L10 also rewrite their sections of docs/benchmarks.md, under a
 # regenerated header (machine, versions, date). Each takes a few minutes on a 2-core CPU.
 bench: setup
 	@for s in scripts/bench_l1.py scripts/bench_l2.py scripts/bench_l3_kernel.py; do echo "== $$s"; $(PY) $$s || exit 1; done
 	$(PY) -c "from harness.benchmark import write_header; write_header('docs/benchmarks.md')"
 	$(PY) scripts/bench_l5.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l8.py --markdown docs/benchmarks.md
+	$(PY) scripts/bench_l10.py --markdown docs/benchmarks.md
 
 student-copy: setup  ## the repository without solutions, to hand out: student-copy/
 	$(PY) scripts/make_student_copy.py student-copy --force

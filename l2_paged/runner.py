@@ -63,11 +63,15 @@ class PagedRunner:
         """
         self.reserve_all(reqs, num_new)
         input_ids, meta = self.build_meta(reqs, num_new)
-        last = meta.cu_seqlens_q[1:] - 1  # each request's last new token
-        logits = self.model(input_ids, self.pool, meta, logits_for=last)
+        logits = self.model(input_ids, self.pool, meta, logits_for=self.logits_rows(reqs, meta))
         for req, n in zip(reqs, num_new):
             req.cur_len += n
         return logits
+
+    def logits_rows(self, reqs: list[Request], meta) -> torch.Tensor:
+        """Rows of the forward whose logits are returned: each request's last new token.
+        (L10 overrides it: a request verifying k proposals needs all of its k + 1 rows.)"""
+        return meta.cu_seqlens_q[1:] - 1
 
     def reserve_all(self, reqs: list[Request], num_new: list[int]) -> None:
         """Blocks for every request of the step, or (OutOfBlocksError) none at all."""

@@ -19,9 +19,15 @@ cosine schedule ends exactly when the budget does; the run is then reproducible 
 ``--steps N``, which the script prints at the end. Corpus and tokenizer take < 1 min.
 On a machine busy with other work, ``--threads 1`` trains faster than the default 2.
 
+A draft model for speculative decoding (L10) must share the target's tokenizer: pass
+``--tokenizer assets/tiny-qwen3-kjv`` to reuse that folder's tokenizer instead of training
+one, and ``--hidden-size``/``--layers`` for a smaller model (the MLP is 3x hidden, heads
+of dim 32, half as many KV heads as query heads).
+
 Usage:
     python scripts/train_tiny_model.py [--out DIR] [--minutes M | --steps N]
                                        [--seed S] [--lr LR] [--batch-size B] [--threads T]
+                                       [--tokenizer DIR] [--hidden-size H] [--layers L]
 """
 
 import argparse
@@ -140,15 +146,16 @@ def to_blocks(stream):
 # ---------------------------------------------------------------- model
 
 
-def build_model(eos_id):
-    """The tiny Qwen3 architecture (about 4.2M parameters)."""
+def build_model(eos_id, hidden_size=256, num_layers=4):
+    """The tiny Qwen3 architecture (about 4.2M parameters at the defaults)."""
+    num_heads = hidden_size // 32
     config = Qwen3Config(
         vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
+        hidden_size=hidden_size,
+        intermediate_size=3 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
         head_dim=32,
         max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -272,26 +279,36 @@ def reproduce_command(args, total_steps):
              "--steps", str(total_steps), "--seed", str(args.seed),
              "--lr", str(args.lr), "--batch-size", str(args.batch_size),
              "--threads", str(args.threads)]
+    if args.tokenizer is not None:
+        parts += ["--tokenizer", str(args.tokenizer), "--hidden-size", str(args.hidden_size),
+                  "--layers", str(args.layers)]
     return shlex.join(parts)
 
 
+ROLE_DEFAULT = """It is the repository's embedded default model: small
+enough to ship in git and to run on CPU, big enough to produce KJV-flavoured text and to
+exercise a real KV cache. It is a teaching toy, not a useful language model."""
+ROLE_DRAFT = """It shares the tokenizer of `{}` and drafts
+tokens for it in speculative decoding (L10): a smaller model that guesses the larger one's
+next tokens, cheaply. It is a teaching toy, not a useful language model."""
+
+
 def write_readme(out_dir, info):
-    text = f"""# tiny-qwen3-kjv
+    text = f"""# {out_dir.name}
 
 A tiny causal language model (Qwen3 architecture, {info['params']:,} parameters) trained
-from scratch on the King James Bible. It is the repository's embedded default model: small
-enough to ship in git and to run on CPU, big enough to produce KJV-flavoured text and to
-exercise a real KV cache. It is a teaching toy, not a useful language model.
+from scratch on the King James Bible. {info['role']}
 
 ## Architecture (`Qwen3ForCausalLM`, float32)
 
 | setting | value |
 |---|---|
 | vocab size | {VOCAB_SIZE} |
-| hidden size | 256 |
-| intermediate (MLP) size | 768 |
-| layers | 4 |
-| attention heads (query / key-value) | 8 / 4 (grouped-query attention) |
+| hidden size | {info['hidden_size']} |
+| intermediate (MLP) size | {3 * info['hidden_size']} |
+| layers | {info['layers']} |
+| attention heads (query / key-value) | {info['hidden_size'] // 32} / \
+{max(1, info['hidden_size'] // 64)} (grouped-query attention) |
 | head dim | 32 |
 | max positions | 2048 (trained on {SEQ_LEN}-token blocks) |
 | RoPE theta | 10000 |
@@ -313,7 +330,7 @@ Validation split: the last 2% of each book's verses (at least one verse per book
 
 ## Tokenizer
 
-Byte-level BPE (`tokenizers` library, ByteLevel pre-tokenizer and decoder) trained on
+{info['tokenizer_note']}Byte-level BPE (`tokenizers` library, ByteLevel pre-tokenizer and decoder) trained on
 the training split, vocabulary {VOCAB_SIZE}. The only special token is `<|endoftext|>`
 (id {info['eos_id']}), used as EOS and padding; no BOS token is added.
 
@@ -350,9 +367,19 @@ def parse_args():
                         help="torch threads; 1 is faster on a machine busy with other work")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="reuse this model folder's tokenizer (a draft model must share "
+                             "its target's) instead of training one")
+    parser.add_argument("--hidden-size", type=int, default=256, help="a multiple of 64")
+    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     if args.steps is not None and args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be larger than the {WARMUP_STEPS} warmup steps")
+    if args.hidden_size % 64 or args.hidden_size <= 0 or args.layers <= 0:
+        parser.error("--hidden-size must be a positive multiple of 64 and --layers positive")
+    if args.tokenizer is not None and not (args.tokenizer / "tokenizer.json").is_file():
+        parser.error(f"--tokenizer {args.tokenizer}: no tokenizer.json there; "
+                     "pass a model folder that has one")
     return args
 
 
@@ -364,7 +391,10 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
 
     train_texts, val_texts = split_books(read_bible())
-    tokenizer = train_tokenizer(train_texts)
+    if args.tokenizer is None:
+        tokenizer = train_tokenizer(train_texts)
+    else:
+        tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     save_tokenizer(tokenizer, args.out)
     check_round_trip(args.out, train_texts + val_texts)
     eos_id = tokenizer.token_to_id(EOS)
@@ -372,7 +402,7 @@ def main():
     val_stream = encode_stream(tokenizer, val_texts, eos_id)
     train_blocks, val_blocks = to_blocks(train_stream), to_blocks(val_stream)
 
-    model = build_model(eos_id)
+    model = build_model(eos_id, args.hidden_size, args.layers)
     params = sum(p.numel() for p in model.parameters())
     budget = f"{args.steps} steps" if args.steps else f"{args.minutes:g} minutes"
     print(f"corpus: {len(train_stream):,} train / {len(val_stream):,} val tokens "
@@ -394,7 +424,10 @@ def main():
         "epochs": total_steps * args.batch_size / len(train_blocks), "seed": args.seed,
         "threads": args.threads, "minutes": seconds / 60,
         "train_loss": history[-1][1], "val_loss": history[-1][2],
-        "command": command,
+        "command": command, "hidden_size": args.hidden_size, "layers": args.layers,
+        "role": ROLE_DEFAULT if args.tokenizer is None else ROLE_DRAFT.format(args.tokenizer),
+        "tokenizer_note": "" if args.tokenizer is None else
+        f"Copied from `{args.tokenizer}` (same ids, so it can draft for that model). ",
     })
     print(f"\nsaved to {args.out} ({seconds / 60:.1f} min of training)")
     print(f"reproduce with: {command}")

@@ -1,5 +1,5 @@
-"""`make lab` works: a real Jupyter server, started as `make lab` starts it, lists the five
-notebooks through its REST API, and is shut down within a bounded time whatever happens."""
+"""`make lab` works: a real Jupyter server, started as `make lab` starts it, lists every
+notebook through its REST API, and is shut down within a bounded time whatever happens."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def stop(server: subprocess.Popen) -> None:
             server.wait(STOP_TIMEOUT_S)
 
 
-def test_jupyterlab_serves_the_five_notebooks(tmp_path):
+def test_jupyterlab_serves_every_notebook(tmp_path):
     pytest.importorskip("jupyterlab", reason="JupyterLab is installed by `make setup`")
     port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
@@ -70,7 +70,7 @@ def test_jupyterlab_serves_the_five_notebooks(tmp_path):
         assert listing is not None, f"no answer from Jupyter on port {port}:\n{log}"
         notebooks = sorted(item["name"] for item in listing["content"] if item["type"] == "notebook")
         assert notebooks == sorted(p.name for p in (ROOT / "notebooks").glob("L*_*.ipynb"))
-        assert len(notebooks) == 5
+        assert len(notebooks) >= 5  # L1, L2, L3, L5, L8 and the lessons after them
         specs = get_json(f"http://127.0.0.1:{port}/api/kernelspecs?token={token}")
         assert "python3" in specs["kernelspecs"]  # the kernel the notebooks name, from this environment
     finally:
