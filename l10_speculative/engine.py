@@ -24,6 +24,7 @@ import torch
 from l1_contiguous import InputError
 from l5_eviction import Scheduler, State, StepRunner, make_engine
 from l8_prefix import PrefixEngine, PrefixRequest, PrefixScheduler
+from l8_prefix.engine import one_line
 
 from .acceptance import accept_greedy, accept_sampled, next_k
 from .rewind import rewind
@@ -141,10 +142,19 @@ class SpecEngine(PrefixEngine):
         out = []
         for i, req in enumerate(reqs):
             if req.draft:
-                self._verified[req.request_id] = self._verify(req, rows[i])
+                self._verified[req.request_id] = self._verify_or_fail(req, rows[i])
                 drawn[i] = self._verified[req.request_id][-1]
             out.append(drawn[i])
         return out
+
+    def _verify_or_fail(self, req: SpecRequest, rows: torch.Tensor) -> list[int]:
+        """`_verify`, or [-1] with `req.error` set if it fails for this request (e.g. NaN logits):
+        like a failed draw in L8, the request alone finishes with finish_reason "error"."""
+        try:
+            return self._verify(req, rows)
+        except Exception as exc:
+            req.error = f"verifying its proposals failed: {one_line(exc)}"
+            return [-1]
 
     def _verify(self, req: SpecRequest, rows: torch.Tensor) -> list[int]:
         """The ids this step produces for `req`: kept proposals, then the target's own next id."""
@@ -158,7 +168,10 @@ class SpecEngine(PrefixEngine):
 
     def _commit(self, plan, tokens) -> None:
         for req, _ in plan:
-            if req.draft:
+            if req.draft and req.error is not None:  # L5's commit finishes it; its draft has no K/V to keep
+                self._verified.pop(req.request_id)
+                req.draft, req.draft_probs = [], None
+            elif req.draft:
                 tokens[req.request_id] = self._settle(req, self._verified.pop(req.request_id))
             self.spec.token_steps += req.num_pending == 0
         super()._commit(plan, tokens)  # L8 keys the blocks that are now full of accepted tokens

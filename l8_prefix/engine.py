@@ -216,7 +216,7 @@ class PrefixEngine(Engine):
         try:
             return draw(req, logits_row)
         except Exception as exc:
-            req.error = f"sampling failed: {_one_line(exc)}"
+            req.error = f"sampling failed: {one_line(exc)}"
             return -1
 
     # ------------------------------------------------------------------ after each forward
@@ -262,7 +262,7 @@ class PrefixEngine(Engine):
         try:
             self._as_sample(child, parent, k)
         except Exception as exc:
-            child.error = f"seeding sample {k} failed: {_one_line(exc)}"
+            child.error = f"seeding sample {k} failed: {one_line(exc)}"
         token = self._draw_or_fail(child, logits_row) if child.error is None else -1
         if child.error is not None:
             self._finish(child, "error")
@@ -321,7 +321,7 @@ def draw(req: PrefixRequest, logits_row: torch.Tensor) -> int:
     return int(torch.multinomial(probs, 1, generator=req.generator))
 
 
-def _one_line(exc: Exception) -> str:
+def one_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 

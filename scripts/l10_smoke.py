@@ -79,7 +79,7 @@ def run(args, setup) -> LessonRun:
     check_options(args)
     items = [SampledWorkItem(p.ids, setup.max_new_tokens, n=args.n) for p in setup.prompts]
     need = [blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items for _ in range(w.n)]
-    num_blocks = l5_smoke.checked_pool(args.num_blocks or sum(need), need, args.block_size)
+    num_blocks = l5_smoke.checked_pool(args.num_blocks or sum(need), items, args.block_size)
     model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
     backend = args.backend or engine_backend(setup.device)
     check_backend_device(backend, setup.device)

@@ -247,3 +247,21 @@ def test_a_stop_id_among_the_kept_proposals_ends_the_request_there(model, hf_ref
     engine = make(model, OracleDrafter(hf_ref, 20, wrong_every=100), k=8, adaptive_k=False)
     requests = run_checked(engine, [SampledWorkItem(PROMPTS[2], 20, stop_token_ids=(stop,))])
     assert requests[0].output_ids == reference[:first + 1] and requests[0].finish_reason == "stop"
+
+
+def test_a_request_whose_verify_fails_ends_alone_and_the_others_go_on(model, hf_ref, monkeypatch):
+    """Acceptance raising for one request (as NaN logits make multinomial raise) ends that request
+    with finish_reason "error"; the greedy request verified in the same steps still equals HF."""
+    import l10_speculative.engine as spec_engine
+
+    def accept_sampled(*args):
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    monkeypatch.setattr(spec_engine, "accept_sampled", accept_sampled)
+    engine = make(model, OracleDrafter(hf_ref, 16), k=4, adaptive_k=False)
+    requests = run_checked(engine, [SampledWorkItem(PROMPTS[2], 16),
+                                    SampledWorkItem(PROMPTS[1], 16, temperature=0.8, seed=3)])
+    good, bad = requests[0], requests[1]
+    assert good.output_ids == hf_ref(PROMPTS[2], 16) and good.finish_reason == "length"
+    assert bad.finish_reason == "error" and "verifying its proposals failed" in bad.error
+    assert len(bad.output_ids) == 1  # its first token came from the prefill's plain draw
