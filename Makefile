@@ -8,9 +8,9 @@ STAMP  := $(VENV)/.installed
 # torch 2.13.0 is the CPU build available offline here; a plain `pip install torch` would pull
 # several GB of CUDA wheels. An already-installed torch (e.g. a CUDA build) is used as it is.
 TORCH  ?= torch==2.13.0
-LESSONS := l1 l2 l3 l5 l8
+LESSONS := l1 l2 l3 l5 l8 l11
 
-.PHONY: run test setup bench student-copy autograder notebooks lab clean \
+.PHONY: run test setup bench student-copy autograder notebooks lab serve clean \
 	$(addprefix smoke-,$(LESSONS)) $(addprefix check-,$(LESSONS))
 
 run: setup          ## every lesson's smoke script: PASS lines
@@ -30,6 +30,9 @@ $(addprefix check-,$(LESSONS)): check-%: setup   ## one lesson's graded tests wi
 notebooks: setup    ## every notebook run from top to bottom (also part of `make test`)
 	$(PY) -m pytest -m notebook
 
+serve: setup        ## L11's server on http://127.0.0.1:8000 (the embedded model; the pool page at /)
+	$(PY) -m l11_serve $(SERVE_ARGS)
+
 lab: setup          ## JupyterLab on notebooks/, with this project's kernel
 	$(PY) -m jupyterlab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
@@ -43,6 +46,8 @@ $(STAMP): pyproject.toml
 	@# the activated shell would run the system's, which cannot import this environment's torch.
 	test -x $(VENV)/bin/pytest || $(PY) -m pip install --ignore-installed "pytest>=8"
 	test -x $(VENV)/bin/jupyter-lab || $(PY) -m pip install --ignore-installed "jupyterlab>=4.2"
+	@# L11's browser test needs a headless chromium; installed where we are root on Debian, else skipped.
+	-command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq chromium; } || echo "no chromium: L11's browser test will skip"
 	touch $(STAMP)
 
 # L1-L3 print their tables; L5 and L8 also rewrite their sections of docs/benchmarks.md, under a

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-LESSONS = ("course", "l1", "l2", "l3", "l5", "l8")
+LESSONS = ("course", "l1", "l2", "l3", "l5", "l8", "l11")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _MAX_OUTPUT = 4000  # characters of a failure kept in results.json
 

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     count = build(Path(args.zip_path).resolve(), hidden)
     print(f"wrote {args.zip_path}: {count} files (student copy + setup.sh + run_autograder)")
     print("upload it on Gradescope as the autograder; students submit their lesson packages "
-          "(l1_contiguous/ ... l8_prefix/)")
+          "(l1_contiguous/ ... l8_prefix/, l11_serve/)")
     return 0
 
 

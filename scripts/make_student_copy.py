@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LESSON_PACKAGES = {"l1_contiguous": "L1", "l2_paged": "L2", "l3_block_kernel": "L3",
-                   "l5_eviction": "L5", "l8_prefix": "L8"}
+                   "l5_eviction": "L5", "l8_prefix": "L8", "l11_serve": "L11"}
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 INSTRUCTOR_ONLY = ("instructor/",)  # path prefixes left out of the copy
 # A test module marked `course` as a whole (the course's own checks: model files, the copy, the

@@ -20,7 +20,7 @@ from helpers import load_script
 pytestmark = [pytest.mark.course]
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("l1_contiguous", "l2_paged", "l3_block_kernel", "l5_eviction", "l8_prefix")
+PACKAGES = ("l1_contiguous", "l2_paged", "l3_block_kernel", "l5_eviction", "l8_prefix", "l11_serve")
 # In `make test` the bundle grades one fast file (L2's allocator, reserve, meta and mask: a few
 # seconds); the slow variant grades everything.
 FAST = "tests/test_l2_allocator.py"

@@ -88,7 +88,7 @@ def test_unbalanced_or_nested_fences_are_errors_naming_file_and_line(tool, sourc
 
 def test_copy_has_no_fenced_region_left_and_compiles(student_copy):
     stubs = 0
-    for package in ("l1_contiguous", "l2_paged", "l3_block_kernel", "l5_eviction", "l8_prefix"):
+    for package in ("l1_contiguous", "l2_paged", "l3_block_kernel", "l5_eviction", "l8_prefix", "l11_serve"):
         for path in sorted((student_copy / package).rglob("*.py")):
             text = path.read_text(encoding="utf-8")
             assert "# BEGIN SOLUTION" not in text and "# END SOLUTION" not in text, path
