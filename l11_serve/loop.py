@@ -105,10 +105,12 @@ class EngineLoop:
                 if self.engine.has_unfinished() and not self._stop.is_set():
                     self._step()
             self._abort_all("aborted")
-        except BaseException as exc:  # a bug in the engine: fail every stream, keep the server up
+        except BaseException as exc:  # a bug: every stream ends with "error", /health turns 503
             log.exception("engine loop died")
             self.error = exc
-            self._abort_all("error")
+            for stream in self.streams.values():
+                stream.push([Update(i, [], "error") for i in range(stream.item.n) if i not in stream.finished])
+            self.streams.clear()
 
     def _apply_commands(self, wait: bool) -> None:
         try:
