@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import traceback
 
@@ -12,7 +13,7 @@ import uvicorn
 from harness.smoke import DEFAULT_MODEL, resolve_device
 from l1_contiguous import InputError
 
-from .server import build_server
+from .server import GracefulServer, build_server
 
 
 def main(argv=None) -> int:
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
         if args.max_waiting < 1 or args.block_size < 1:
             raise InputError("--max-waiting and --block-size must be at least 1")
         device, dtype = resolve_device(args.device, args.dtype)
-        app, _, _ = build_server(args.model, args.num_blocks, args.block_size, device, dtype, args.max_waiting,
+        app, loop, _ = build_server(args.model, args.num_blocks, args.block_size, device, dtype, args.max_waiting,
                                  prefix_sharing=args.prefix_sharing == "on")
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -43,9 +44,15 @@ def main(argv=None) -> int:
         return 3
     logging.basicConfig(level=logging.INFO)
     print(f"serving {args.model} on http://{args.host}:{args.port} (pool page at /, Ctrl-C stops)", flush=True)
-    # uvicorn turns SIGINT/SIGTERM into a graceful stop: no new connections, in-flight streams get a few
-    # seconds, then the app's lifespan ends and the engine loop aborts what is left and exits.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    # SIGINT/SIGTERM: the engine loop aborts what is in flight (each stream ends with "abort" and [DONE]),
+    # uvicorn stops accepting, waits for the connections to close, ends the app's lifespan and exits.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    # uvicorn raises the signal again once it has shut down; these make that a plain exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        GracefulServer(config, loop).run()
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

@@ -85,10 +85,13 @@ class EngineLoop:
         """Abort sample `index` of the stream, or all of them (None): blocks go back before the next step."""
         self.commands.put(("abort", stream, index))
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is in flight, let the thread finish its step and exit."""
+    def request_stop(self) -> None:
+        """After the current step the thread aborts every request (each stream ends, "abort") and exits."""
         self._stop.set()
         self.commands.put(("wake",))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.request_stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
 

@@ -36,6 +36,19 @@ def build_server(model_dir: str | Path, num_blocks: int = 512, block_size: int =
     return app, loop, tokenizer
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server; on SIGINT/SIGTERM the engine loop first aborts what is in flight, so every open
+    stream ends with finish_reason "abort" and [DONE] instead of being cut when uvicorn's grace runs out."""
+
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop):
+        super().__init__(config)
+        self.engine_loop = loop
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine_loop.request_stop()
+        super().handle_exit(sig, frame)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
