@@ -1,6 +1,6 @@
 """Token ids in, text out, stop strings found on the text (lesson L11, §4 "Stop strings").
 
-A stop string is text, and tokens do not line up with text: "Amen." may arrive as "Am" + "en."
+A stop string is text, and tokens do not line up with text: "Amen." arrives as "A" + "men" + "."
 or inside one token ". Amen.\n". So the matcher decodes everything generated so far, searches the
 new text for each stop string, and never sends text that could still become the start of a stop
 string (it holds that tail back until the next token decides). A token that ends in the middle of
