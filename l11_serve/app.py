@@ -1,4 +1,4 @@
-"""The HTTP side (lesson L11, §3): routes, a request's life as a stream of server-sent events.
+"""The HTTP side (lesson L11, §2.1 and §2.3): routes, a request's life as a stream of server-sent events.
 
     POST /v1/completions   OpenAI's completions: text or ids in, text out (streamed or whole)
     GET  /v1/models        the one model served

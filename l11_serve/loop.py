@@ -1,4 +1,4 @@
-"""The engine loop (lesson L11, §2 "One engine, one thread"): the only code that touches the engine.
+"""The engine loop (lesson L11, §2.2 "One engine, one thread"): the only code that touches the engine.
 
     HTTP handlers (asyncio thread)              engine thread
     ─────────────────────────────               ───────────────────────────────────────

@@ -1,4 +1,4 @@
-"""Prometheus metrics (lesson L11, §6 "Metrics"): what an operator watches on a dashboard.
+"""Prometheus metrics (lesson L11, §2.6 "Metrics"): what an operator watches on a dashboard.
 
 Gauges are set from the engine after every step; counters grow by what changed since the last
 step; the two latency histograms get one observation per token. All of it runs on the engine

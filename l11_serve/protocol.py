@@ -1,4 +1,4 @@
-"""The OpenAI completions request, checked field by field (lesson L11, §3 "The protocol").
+"""The OpenAI completions request, checked field by field (lesson L11, §2.3 "The protocol").
 
 Anything wrong is an `InputError` with one line that names the field, what it got and what it
 wants; the app answers it with a 400 and an OpenAI-style error body. Nothing reaches the engine

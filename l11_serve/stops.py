@@ -1,4 +1,4 @@
-"""Token ids in, text out, stop strings found on the text (lesson L11, §4 "Stop strings").
+"""Token ids in, text out, stop strings found on the text (lesson L11, §2.4 "Stop strings").
 
 A stop string is text, and tokens do not line up with text: "Amen." arrives as "A" + "men" + "."
 or inside one token ". Amen.\n". So the matcher decodes everything generated so far, searches the
