@@ -24,6 +24,7 @@ def wait_idle(loop, timeout: float = TIMEOUT_S) -> None:
     """Until the engine holds no request and the loop no stream (aborts are applied between steps)."""
     deadline = time.monotonic() + timeout
     while loop.engine.requests or loop.streams or loop.engine.alloc.num_used:
+        assert loop.error is None, f"the engine loop died: {loop.error!r}"
         assert time.monotonic() < deadline, (f"engine not idle after {timeout} s: {len(loop.engine.requests)} "
                                              f"requests, {loop.engine.alloc.num_used} blocks used")
         time.sleep(0.02)

@@ -130,7 +130,7 @@ def test_the_original_passes_the_same_selection():
 def test_every_fenced_function_is_in_its_lessons_what_you_write_table(tool, student_copy):
     """The stub names the section that explains it, read from the lesson's "What you write" table;
     a fenced function missing from that table would get a stub without a section."""
-    stubs = re.compile(r'raise NotImplementedError\("(L\d): ([\w.]+) — see (lessons/\S+\.md)( §[\d.]+)?"\)')
+    stubs = re.compile(r'raise NotImplementedError\("(L\d+): ([\w.]+) — see (lessons/\S+\.md)( §[\d.]+)?"\)')
     found = []
     for package in tool.LESSON_PACKAGES:
         for path in sorted((student_copy / package).rglob("*.py")):
