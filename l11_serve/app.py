@@ -142,7 +142,7 @@ async def _choice_steps(loop: EngineLoop, stream: Stream, params: CompletionPara
                     c.finish_reason = "stop"
                     loop.abort(stream, u.index)
                 elif u.finish_reason:
-                    c.finish_reason = FINISH[u.finish_reason]
+                    c.finish_reason = FINISH.get(u.finish_reason, u.finish_reason)  # an engine error reason as is
                     text += c.matcher.flush() if c.matcher else ""
                 out.append((u.index, text, u.token_ids[:kept], c.finish_reason))
             if out:
