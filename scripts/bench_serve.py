@@ -232,7 +232,7 @@ def main(argv=None) -> int:
                                                           if not a.startswith("--markdown") and a != args.markdown)
         text = (f"## L11: serving over HTTP, ours vs `transformers serve --continuous-batching`\n\n"
                 f"`{cmd.strip()}` · {machine_line(torch_threads(), load_start)}\n\n"
-                f"{args.requests} requests per row, Poisson arrivals, greedy; each server alone on the machine "
+                f"{args.requests} requests per row, Poisson arrivals, greedy; one server running at a time (the other stopped) "
                 f"while measured, both on CPU float32 with {args.num_blocks} blocks of {args.block_size}; "
                 f"times in ms; SLO: TTFT <= {args.slo_ttft_ms:g} ms and mean ITL <= {args.slo_itl_ms:g} ms; "
                 f"best of {args.rounds} round(s). {note}\n\n" + markdown_table(table, columns, ".1f"))
