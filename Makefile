@@ -57,6 +57,7 @@ bench: setup
 	$(PY) -c "from harness.benchmark import write_header; write_header('docs/benchmarks.md')"
 	$(PY) scripts/bench_l5.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l8.py --markdown docs/benchmarks.md
+	$(PY) scripts/bench_serve.py --markdown docs/benchmarks.md
 
 student-copy: setup  ## the repository without solutions, to hand out: student-copy/
 	$(PY) scripts/make_student_copy.py student-copy --force
