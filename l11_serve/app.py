@@ -87,7 +87,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
         if params.stream:
             return StreamingResponse(_sse(steps, head, params, choices), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _whole(request, steps, head, params, choices, loop, stream)
+        return await _whole(request, steps, head, params, choices)
 
     async def models(request: Request) -> Response:
         cfg = loop.engine.model.config
@@ -171,7 +171,7 @@ async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice
     yield "data: [DONE]\n\n"
 
 
-async def _whole(request: Request, steps, head: dict, params, choices, loop, stream) -> Response:
+async def _whole(request: Request, steps, head: dict, params: CompletionParams, choices: list[Choice]) -> Response:
     """Collect every step, or stop as soon as the client hangs up (then the samples are aborted)."""
     texts = [""] * len(choices)
 

@@ -51,6 +51,8 @@ def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
             raise InputError(f"{name}={body[name]!r} is not supported by this server; leave it out")
     if body.get("model", model_name) not in (model_name, None):
         raise InputError(f"model {body['model']!r} is not served here; GET /v1/models lists {model_name!r}")
+    if body.get("stop") and tokenizer is None:
+        raise InputError("stop strings need a tokenizer and this model folder has none; use stop_token_ids")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise InputError("stream_options must be an object with at most include_usage (a boolean)")

@@ -157,3 +157,17 @@ def test_tiny_top_p_sampling_is_greedy(served):
     greedy = complete(client, max_tokens=8).json()["choices"][0]["token_ids"]
     sampled = complete(client, max_tokens=8, temperature=1.5, top_p=1e-6, seed=3).json()["choices"][0]
     assert sampled["token_ids"] == greedy
+
+
+def test_a_model_without_a_tokenizer_takes_ids_and_says_what_needs_text(tiny_model_dir):
+    app, loop, tokenizer = build_server(tiny_model_dir, num_blocks=16, block_size=4)
+    assert tokenizer is None
+    with TestClient(app) as client:
+        ok = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 4
+        assert ok.json()["choices"][0]["text"] == ""  # no tokenizer: ids only
+        for body, words in [({"prompt": "text"}, "no tokenizer"), ({"prompt": [1, 2], "stop": ["x"]}, "stop_token_ids")]:
+            r = client.post("/v1/completions", json={"max_tokens": 4, **body})
+            assert r.status_code == 400 and words in r.json()["error"]["message"]
+        wait_idle(loop)
+        assert_no_leak(loop)
