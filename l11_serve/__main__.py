@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import traceback
 
@@ -32,6 +33,7 @@ def main(argv=None) -> int:
     try:
         if args.max_waiting < 1 or args.block_size < 1:
             raise InputError("--max-waiting and --block-size must be at least 1")
+        check_port_free(args.host, args.port)
         device, dtype = resolve_device(args.device, args.dtype)
         app, loop, _ = build_server(args.model, args.num_blocks, args.block_size, device, dtype, args.max_waiting,
                                  prefix_sharing=args.prefix_sharing == "on")
@@ -54,6 +56,14 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise InputError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port") from None
 
 
 if __name__ == "__main__":
