@@ -15,7 +15,7 @@ TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 # Every lesson package at the root (l1_contiguous/ ...): adding a lesson adds its targets.
 LESSONS := $(sort $(foreach p,$(wildcard l[0-9]*_*/__init__.py),$(firstword $(subst _, ,$(p)))))
 
-.PHONY: run test setup bench student-copy autograder notebooks lab clean \
+.PHONY: run test setup bench student-copy autograder notebooks lab serve clean \
 	$(addprefix smoke-,$(LESSONS)) $(addprefix check-,$(LESSONS))
 
 run: setup          ## every lesson's smoke script: PASS lines
@@ -34,6 +34,9 @@ $(addprefix check-,$(LESSONS)): check-%: setup   ## one lesson's graded tests wi
 
 notebooks: setup    ## every notebook run from top to bottom (also part of `make test`)
 	$(PY) -m pytest -m notebook
+
+serve: setup        ## L11's server on http://127.0.0.1:8000 (the embedded model; the pool page at /)
+	$(PY) -m l11_serve $(SERVE_ARGS)
 
 lab: setup          ## JupyterLab on notebooks/, with this project's kernel
 	$(PY) -m jupyterlab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -60,9 +63,11 @@ $(STAMP): pyproject.toml
 	@# the activated shell would run the system's, which cannot import this environment's torch.
 	test -x $(VENV)/bin/pytest || $(PY) -m pip install --ignore-installed "pytest>=8"
 	test -x $(VENV)/bin/jupyter-lab || $(PY) -m pip install --ignore-installed "jupyterlab>=4.2"
+	@# L11's browser test needs a headless chromium; installed where we are root on Debian, else skipped.
+	-command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq chromium; } || echo "no chromium: L11's browser test will skip"
 	touch $(STAMP)
 
-# L1-L3 print their tables; L5, L8 and L10 also rewrite their sections of docs/benchmarks.md, under a
+# L1-L3 print their tables; L5, L8, L10 and L11 (bench_serve) also rewrite their sections of docs/benchmarks.md, under a
 # regenerated header (machine, versions, date). Each takes a few minutes on a 2-core CPU.
 bench: setup
 	@for s in scripts/bench_l1.py scripts/bench_l2.py scripts/bench_l3_kernel.py; do echo "== $$s"; $(PY) $$s || exit 1; done
@@ -70,6 +75,7 @@ bench: setup
 	$(PY) scripts/bench_l5.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l8.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l10.py --markdown docs/benchmarks.md
+	$(PY) scripts/bench_serve.py --markdown docs/benchmarks.md
 
 student-copy: setup  ## the repository without solutions, to hand out: student-copy/
 	$(PY) scripts/make_student_copy.py student-copy --force

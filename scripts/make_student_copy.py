@@ -37,7 +37,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LESSON_PACKAGES = {"l1_contiguous": "L1", "l2_paged": "L2", "l3_block_kernel": "L3",
-                   "l5_eviction": "L5", "l8_prefix": "L8", "l10_speculative": "L10"}
+                   "l5_eviction": "L5", "l8_prefix": "L8", "l10_speculative": "L10",
+                   "l11_serve": "L11"}
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 MARKER = ".student-copy"  # written into every copy: --force replaces only a folder that has it
 INSTRUCTOR_ONLY = ("instructor/",)  # path prefixes left out of the copy

@@ -23,7 +23,7 @@ from helpers import load_script
 pytestmark = [pytest.mark.course, pytest.mark.usefixtures("one_torch_thread")]
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("l1_smoke", "l2_smoke", "l3_smoke", "l5_smoke", "l8_smoke")
+SCRIPTS = ("l1_smoke", "l2_smoke", "l3_smoke", "l5_smoke", "l8_smoke", "l11_smoke")
 SHORT = ["--max-new-tokens", "2", "--prompt-ids", "5,6,7"]  # fast where a run gets that far
 LONG = ["--max-new-tokens", "2", "--prompt-ids", ",".join(map(str, range(1, 41)))]  # 3 blocks of 16
 

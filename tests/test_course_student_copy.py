@@ -88,7 +88,7 @@ def test_unbalanced_or_nested_fences_are_errors_naming_file_and_line(tool, sourc
 
 def test_copy_has_no_fenced_region_left_and_compiles(student_copy):
     stubs = 0
-    for package in ("l1_contiguous", "l2_paged", "l3_block_kernel", "l5_eviction", "l8_prefix", "l10_speculative"):
+    for package in ("l1_contiguous", "l2_paged", "l3_block_kernel", "l5_eviction", "l8_prefix", "l10_speculative", "l11_serve"):
         for path in sorted((student_copy / package).rglob("*.py")):
             text = path.read_text(encoding="utf-8")
             assert "# BEGIN SOLUTION" not in text and "# END SOLUTION" not in text, path
@@ -130,7 +130,7 @@ def test_the_original_passes_the_same_selection():
 def test_every_fenced_function_is_in_its_lessons_what_you_write_table(tool, student_copy):
     """The stub names the section that explains it, read from the lesson's "What you write" table;
     a fenced function missing from that table would get a stub without a section."""
-    stubs = re.compile(r'raise NotImplementedError\("(L\d): ([\w.]+) — see (lessons/\S+\.md)( §[\d.]+)?"\)')
+    stubs = re.compile(r'raise NotImplementedError\("(L\d+): ([\w.]+) — see (lessons/\S+\.md)( §[\d.]+)?"\)')
     found = []
     for package in tool.LESSON_PACKAGES:
         for path in sorted((student_copy / package).rglob("*.py")):

@@ -1,0 +1,198 @@
+"""The HTTP side (lesson L11, §2.1 and §2.3): routes, a request's life as a stream of server-sent events.
+
+    POST /v1/completions   OpenAI's completions: text or ids in, text out (streamed or whole)
+    GET  /v1/models        the one model served
+    GET  /health           200 while the engine loop runs
+    GET  /metrics          Prometheus text format
+    GET  /pool             the block pool and queues as JSON (what the page draws)
+    GET  /                 the live page of the pool
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from l1_contiguous import InputError
+
+from .loop import EngineLoop, Stream
+from .protocol import CompletionParams, parse_completion
+from .stops import StopMatcher
+
+STATIC = Path(__file__).parent / "static"
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort", "error": "error"}
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    max_waiting: int = 64  # HTTP requests accepted but without a first token yet; one more is a 429
+
+
+@dataclass
+class Choice:
+    """One sample's text as the client sees it."""
+
+    matcher: StopMatcher
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
+    waiting = {"count": 0}  # streams without their first token (asyncio thread only)
+
+    async def completions(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body() or b"null")
+            params = parse_completion(body, tokenizer, config.model_name)
+        except json.JSONDecodeError as exc:
+            return error(400, f"the body is not valid JSON ({exc.msg} at character {exc.pos})")
+        except InputError as exc:
+            loop.metrics.rejected.labels("bad_request").inc()
+            return error(400, str(exc))
+        if waiting["count"] >= config.max_waiting:  # backpressure: refuse now rather than queue forever
+            loop.metrics.rejected.labels("overloaded").inc()
+            return error(429, f"the server has {waiting['count']} requests waiting (its limit); retry later",
+                         "rate_limit_error", headers={"Retry-After": "1"})
+        if not loop.alive:
+            return error(503, "the engine loop is not running; see the server's log", "server_error")
+        stream = loop.submit(params.work_item())
+        try:
+            await asyncio.wrap_future(stream.accepted)
+        except InputError as exc:  # what only the engine could judge: too long, or a pool too small
+            loop.metrics.rejected.labels("bad_request").inc()
+            return error(400, str(exc))
+        waiting["count"] += 1
+        choices = [Choice(StopMatcher(tokenizer, params.stop)) if tokenizer else Choice(None)
+                   for _ in range(params.n)]
+        steps = _choice_steps(loop, stream, params, choices, waiting)
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": config.model_name}
+        if params.stream:
+            return StreamingResponse(_sse(steps, head, params, choices), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _whole(request, steps, head, params, choices)
+
+    async def models(request: Request) -> Response:
+        cfg = loop.engine.model.config
+        return JSONResponse({"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": 0, "owned_by": "kv-cache-course",
+            "max_model_len": cfg.max_position_embeddings}]})
+
+    async def health(request: Request) -> Response:
+        if loop.alive:
+            return JSONResponse({"status": "ok"})
+        return error(503, f"the engine loop is not running ({loop.error!r})", "server_error")
+
+    async def metrics(request: Request) -> Response:
+        return Response(loop.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def pool(request: Request) -> Response:
+        return JSONResponse({**loop.snapshot, "waiting_http": waiting["count"]})
+
+    async def page(request: Request) -> Response:
+        return FileResponse(STATIC / "pool.html")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        yield
+        await asyncio.to_thread(loop.stop)
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models),
+              Route("/health", health), Route("/metrics", metrics), Route("/pool", pool), Route("/", page)]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _choice_steps(loop: EngineLoop, stream: Stream, params: CompletionParams, choices: list[Choice],
+                        waiting: dict):
+    """Per engine step: the list of (index, text, new ids, finish) for the choices it changed.
+    On the way out (finished, client gone, server stopping) the samples still running are aborted."""
+    first = True
+    try:
+        while any(c.finish_reason is None for c in choices):
+            updates = await stream.events.get()
+            if first:
+                waiting["count"], first = waiting["count"] - 1, False
+            out = []
+            for u in updates:
+                c = choices[u.index]
+                if c.finish_reason is not None:
+                    continue  # a stop string ended it already; this is the engine's abort coming back
+                text = c.matcher.feed(u.token_ids) if c.matcher else ""
+                kept = c.matcher.num_tokens - len(c.token_ids) if c.matcher else len(u.token_ids)
+                c.token_ids += u.token_ids[:kept]
+                if c.matcher and c.matcher.stopped:
+                    c.finish_reason = "stop"
+                    loop.abort(stream, u.index)
+                elif u.finish_reason:
+                    c.finish_reason = FINISH.get(u.finish_reason, u.finish_reason)  # an engine error reason as is
+                    text += c.matcher.flush() if c.matcher else ""
+                out.append((u.index, text, u.token_ids[:kept], c.finish_reason))
+            if out:
+                yield out
+    finally:
+        if first:
+            waiting["count"] -= 1
+        if any(c.finish_reason is None for c in choices):
+            loop.abort(stream)  # the client left (or the server stops): give every block back
+
+
+def _usage(params: CompletionParams, choices: list[Choice]) -> dict:
+    out = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": len(params.prompt_ids), "completion_tokens": out,
+            "total_tokens": len(params.prompt_ids) + out}
+
+
+async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice]):
+    """One event per engine step (all choices it advanced), then usage if asked, then [DONE]."""
+    async for out in steps:
+        chunk = {**head, "choices": [{"index": i, "text": text, "token_ids": ids, "logprobs": None,
+                                      "finish_reason": finish} for i, text, ids, finish in out]}
+        yield f"data: {json.dumps(chunk)}\n\n"
+    if params.include_usage:
+        yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(params, choices)})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _whole(request: Request, steps, head: dict, params: CompletionParams, choices: list[Choice]) -> Response:
+    """Collect every step, or stop as soon as the client hangs up (then the samples are aborted)."""
+    texts = [""] * len(choices)
+
+    async def collect():
+        async for out in steps:
+            for i, text, _, _ in out:
+                texts[i] += text
+
+    async def hang_up():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    done, pending = await asyncio.wait([asyncio.ensure_future(collect()), asyncio.ensure_future(hang_up())],
+                                       return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    await steps.aclose()  # runs its finally: aborts whatever still runs
+    if any(c.finish_reason is None for c in choices):
+        return error(499, "client closed the request", "client_closed")  # nobody reads it
+    body = {**head, "choices": [{"index": i, "text": texts[i], "token_ids": c.token_ids, "logprobs": None,
+                                 "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+            "usage": _usage(params, choices)}
+    return JSONResponse(body)

@@ -1,0 +1,135 @@
+"""The OpenAI completions request, checked field by field (lesson L11, §2.3 "The protocol").
+
+Anything wrong is an `InputError` with one line that names the field, what it got and what it
+wants; the app answers it with a 400 and an OpenAI-style error body. Nothing reaches the engine
+thread unchecked except what only the engine can judge (the prompt's length against the pool).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+from l1_contiguous import InputError
+
+from .engine import ServeItem
+
+# Fields of OpenAI's /v1/completions this server ignores when they hold their neutral value.
+NEUTRAL = {"echo": (False, None), "logprobs": (None,), "best_of": (None, 1), "presence_penalty": (None, 0, 0.0),
+           "frequency_penalty": (None, 0, 0.0), "user": None, "suffix": (None,), "logit_bias": (None, {})}
+
+
+@dataclass
+class CompletionParams:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    n: int
+    seed: int
+    stop: list[str]
+    stop_token_ids: list[int]
+    stream: bool
+    include_usage: bool
+
+    def work_item(self) -> ServeItem:
+        return ServeItem(self.prompt_ids, self.max_tokens, n=self.n, temperature=self.temperature,
+                         seed=self.seed, top_p=self.top_p, stop_token_ids=tuple(self.stop_token_ids))
+
+
+def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
+    if not isinstance(body, dict):
+        raise InputError("the request body must be a JSON object like {\"prompt\": \"...\", \"max_tokens\": 16}")
+    known = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stop_token_ids",
+             "stream", "stream_options", *NEUTRAL}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise InputError(f"unknown field {unknown[0]!r}; this server reads {', '.join(sorted(known))}")
+    for name, neutral in NEUTRAL.items():
+        if neutral is not None and body.get(name, neutral[0]) not in neutral:
+            raise InputError(f"{name}={body[name]!r} is not supported by this server; leave it out")
+    if body.get("model", model_name) not in (model_name, None):
+        raise InputError(f"model {body['model']!r} is not served here; GET /v1/models lists {model_name!r}")
+    if body.get("stop") and tokenizer is None:
+        raise InputError("stop strings need a tokenizer and this model folder has none; use stop_token_ids")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise InputError("stream_options must be an object with at most include_usage (a boolean)")
+    return CompletionParams(
+        prompt_ids=_prompt(body.get("prompt"), tokenizer),
+        max_tokens=_int(body, "max_tokens", 16, low=1),
+        temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
+        top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, open_low=True),
+        n=_int(body, "n", 1, low=1, high=16),
+        seed=_int(body, "seed", None, low=0) if body.get("seed") is not None else secrets.randbelow(2**31),
+        stop=_stop(body.get("stop")),
+        stop_token_ids=_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
+        stream=_bool(body, "stream"),
+        include_usage=_bool(options, "include_usage"))
+
+
+def _prompt(prompt, tokenizer) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InputError("prompt is empty; send some text or a list of token ids")
+        if tokenizer is None:
+            raise InputError("this model folder has no tokenizer; send the prompt as a list of token ids")
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise InputError("send one prompt per request (a list of prompts is not supported)")
+    if isinstance(prompt, list):
+        if not prompt:
+            raise InputError("prompt is an empty list; send some text or token ids")
+        return _ids(prompt, "prompt")
+    raise InputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def _ids(value, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise InputError(f"{name} must be a list of integer token ids, got {_short(value)}")
+    return value  # the engine checks each against the vocabulary
+
+
+def _stop(stop) -> list[str]:
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InputError(f"stop must be a non-empty string or a list of them, got {_short(stop)}")
+    return stop
+
+
+def _int(body: dict, name: str, default, low: int, high: int | None = None) -> int:
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise InputError(f"{name} must be an integer {span}, got {_short(value)}")
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > low if open_low else value >= low) and value <= high
+    if not ok:
+        raise InputError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {_short(value)}")
+    return float(value)
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InputError(f"{name} must be true or false, got {_short(value)}")
+    return value
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,173 @@
+"""L11 in-process (Starlette's test client, no socket): the completions protocol, bad requests,
+backpressure, and top_p. The server runs the embedded model and its tokenizer."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from starlette.testclient import TestClient
+
+from helpers import hf_ids
+from l11_serve import build_server, nucleus
+from serve_helpers import TIMEOUT_S, assert_no_leak, sse_chunks, wait_idle
+
+pytestmark = [pytest.mark.l11, pytest.mark.usefixtures("one_torch_thread")]
+
+PROMPT = "O give thanks unto the LORD; for he is good"  # harness.smoke's, no near tie for 24 tokens
+
+
+@pytest.fixture(scope="module")
+def served(embedded_model_dir):
+    app, loop, tokenizer = build_server(embedded_model_dir, num_blocks=48, block_size=16)
+    with TestClient(app) as client:  # runs the lifespan: the engine thread starts
+        yield client, loop, tokenizer
+
+
+def complete(client, **body):
+    return client.post("/v1/completions", json={"prompt": PROMPT, "temperature": 0, **body})
+
+
+def test_greedy_completion_equals_hf_with_text_usage_and_finish(served, embedded_model_dir):
+    client, loop, tok = served
+    r = complete(client, max_tokens=12)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    prompt_ids = tok.encode(PROMPT, add_special_tokens=False)
+    assert choice["token_ids"] == hf_ids(embedded_model_dir, prompt_ids, 12)
+    assert choice["text"] == tok.decode(choice["token_ids"], skip_special_tokens=True)
+    assert choice["finish_reason"] == "length" and body["object"] == "text_completion"
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 12,
+                             "total_tokens": len(prompt_ids) + 12}
+    # The same prompt as token ids is the same request.
+    assert complete(client, prompt=prompt_ids, max_tokens=12).json()["choices"][0]["token_ids"] == choice["token_ids"]
+    wait_idle(loop)
+    assert_no_leak(loop)
+
+
+def test_stream_sends_one_event_per_token_then_usage_then_done(served):
+    client, loop, _ = served
+    whole = complete(client, max_tokens=10).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "temperature": 0, "max_tokens": 10,
+                                                        "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = sse_chunks(r.iter_lines())
+    assert chunks[-1] == "[DONE]"
+    usage, tokens = chunks[-2], chunks[:-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
+    assert len(tokens) == 10 and all(len(c["choices"][0]["token_ids"]) == 1 for c in tokens)  # one step, one event
+    assert [c["choices"][0]["finish_reason"] for c in tokens] == [None] * 9 + ["length"]
+    assert sum((c["choices"][0]["token_ids"] for c in tokens), []) == whole["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in tokens) == whole["text"]
+    assert len({c["id"] for c in chunks[:-1]}) == 1
+
+
+def test_models_health_and_pool_routes(served):
+    client, loop, _ = served
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny-qwen3-kjv"
+    assert client.get("/health").json() == {"status": "ok"}
+    wait_idle(loop)
+    pool = client.get("/pool").json()
+    assert pool["num_blocks"] == len(pool["blocks"]) == 48 and pool["blocks_used"] == 0
+    assert {state for state, _, _ in pool["blocks"]} <= {"free", "cached"}
+    assert "<title>KV pool" in client.get("/").text
+
+
+BAD = [  # (body change, words the one-line message must contain)
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": "ten"}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n must be"),
+    ({"stop": 5}, "stop"),
+    ({"stream": "yes"}, "stream"),
+    ({"max_token": 5}, "unknown field 'max_token'"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": [1, "a"]}, "prompt must be a list of integer"),
+    ({"prompt": [10**9]}, "outside the vocabulary"),
+    ({"prompt": ["a", "b"]}, "one prompt per request"),
+    ({"max_tokens": 2040}, "positions"),  # the context: 2048 positions
+    ({"prompt": [5] * 700, "max_tokens": 100}, "blocks"),  # 50 blocks: this pool of 48 can never hold it
+    ({"model": "gpt-4"}, "not served here"),
+    ({"logprobs": 3}, "not supported"),
+]
+
+
+@pytest.mark.parametrize("change, words", BAD, ids=[next(iter(c)) + str(i) for i, (c, _) in enumerate(BAD)])
+def test_bad_request_is_a_400_with_one_line_and_the_engine_keeps_serving(served, change, words):
+    client, loop, _ = served
+    r = complete(client, **{"max_tokens": 4, **change})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and "\n" not in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert complete(client, max_tokens=2).status_code == 200  # still serving
+    wait_idle(loop)
+    assert_no_leak(loop)
+
+
+def test_body_that_is_not_json_is_a_400(served):
+    client, _, _ = served
+    r = client.post("/v1/completions", content=b"{prompt:", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_full_waiting_queue_answers_429_with_an_openai_error_then_recovers(embedded_model_dir):
+    app, loop, _ = build_server(embedded_model_dir, num_blocks=16, max_waiting=1)
+    release = threading.Event()
+    real_step = loop.engine.step
+
+    def held_step():  # the first step waits until the test lets it go: the request stays waiting
+        assert release.wait(TIMEOUT_S)
+        return real_step()
+
+    loop.engine.step = held_step
+    with TestClient(app) as client:
+        first = {}
+        worker = threading.Thread(target=lambda: first.update(r=complete(client, max_tokens=3)))
+        worker.start()
+        while client.get("/pool").json()["waiting_http"] < 1:
+            assert worker.is_alive()
+        r = complete(client, max_tokens=3)
+        release.set()
+        worker.join(TIMEOUT_S)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert "retry" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
+        assert first["r"].status_code == 200
+        assert complete(client, max_tokens=3).status_code == 200  # room again
+        assert 'kvcourse_requests_rejected_total{reason="overloaded"} 1.0' in client.get("/metrics").text
+        wait_idle(loop)
+        assert_no_leak(loop)
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p():
+    import torch
+
+    row = torch.log(torch.tensor([0.5, 0.05, 0.3, 0.15]))
+    kept = nucleus(row, 1.0, 0.8).isfinite().tolist()
+    assert kept == [True, False, True, False]  # 0.5 + 0.3 reach 0.8
+    assert nucleus(row, 1.0, 0.81).isfinite().tolist() == [True, False, True, True]
+    assert nucleus(row, 1.0, 1e-6).isfinite().sum() == 1  # only the top token: greedy
+
+
+def test_tiny_top_p_sampling_is_greedy(served):
+    client, _, _ = served
+    greedy = complete(client, max_tokens=8).json()["choices"][0]["token_ids"]
+    sampled = complete(client, max_tokens=8, temperature=1.5, top_p=1e-6, seed=3).json()["choices"][0]
+    assert sampled["token_ids"] == greedy
+
+
+def test_a_model_without_a_tokenizer_takes_ids_and_says_what_needs_text(tiny_model_dir):
+    app, loop, tokenizer = build_server(tiny_model_dir, num_blocks=16, block_size=4)
+    assert tokenizer is None
+    with TestClient(app) as client:
+        ok = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 4
+        assert ok.json()["choices"][0]["text"] == ""  # no tokenizer: ids only
+        for body, words in [({"prompt": "text"}, "no tokenizer"), ({"prompt": [1, 2], "stop": ["x"]}, "stop_token_ids")]:
+            r = client.post("/v1/completions", json={"max_tokens": 4, **body})
+            assert r.status_code == 400 and words in r.json()["error"]["message"]
+        wait_idle(loop)
+        assert_no_leak(loop)
