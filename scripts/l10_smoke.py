@@ -12,14 +12,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # l5_smoke, whose pool check L10 keeps
 
-import l5_smoke  # noqa: E402
-from harness.smoke import DEFAULT_MODEL, LessonRun, RequestResult, run_smoke  # noqa: E402
-from l1_contiguous import InputError  # noqa: E402
-from l2_paged import blocks_needed  # noqa: E402
-from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
-from l5_eviction import engine_backend, load_engine_model  # noqa: E402
-from l8_prefix import SampledWorkItem  # noqa: E402
-from l10_speculative import DraftModelDrafter, PromptLookupDrafter, make_spec_engine  # noqa: E402
+from harness.cli import starting  # noqa: E402
+
+with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
+    import l5_smoke  # noqa: E402
+    from harness.smoke import DEFAULT_MODEL, LessonRun, RequestResult, run_smoke  # noqa: E402
+    from l1_contiguous import InputError  # noqa: E402
+    from l2_paged import blocks_needed  # noqa: E402
+    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l5_eviction import engine_backend, load_engine_model  # noqa: E402
+    from l8_prefix import SampledWorkItem  # noqa: E402
+    from l10_speculative import DraftModelDrafter, PromptLookupDrafter, make_spec_engine  # noqa: E402
+
 
 LESSON = "L10"
 DEFAULT_DRAFT = DEFAULT_MODEL.parent / "tiny-qwen3-kjv-draft"

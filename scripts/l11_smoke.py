@@ -12,11 +12,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx  # noqa: E402
+from harness.cli import starting  # noqa: E402
 
-from harness.smoke import LessonRun, RequestResult, run_smoke  # noqa: E402
-from l1_contiguous import InputError  # noqa: E402
-from l11_serve import Server, build_server  # noqa: E402
+with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
+    import httpx  # noqa: E402
+
+    from harness.smoke import LessonRun, RequestResult, run_smoke  # noqa: E402
+    from l1_contiguous import InputError  # noqa: E402
+    from l11_serve import Server, build_server  # noqa: E402
+
 
 LESSON = "L11"
 TIMEOUT_S = 120  # per request: the server must answer (and each stream end) well within this

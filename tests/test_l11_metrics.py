@@ -3,6 +3,8 @@ of what the test sent and got back, and against the engine's own counters."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -58,10 +60,25 @@ def test_metrics_count_tokens_latencies_forks_and_prefix_hits(embedded_model_dir
     assert_no_leak(loop)
 
 
+def hold_until_queued(loop, count: int, limit_s: float = 60.0) -> None:
+    """The engine thread takes no step until `count` requests are in the engine (or `limit_s` passes)."""
+    real_step, deadline, started = loop._step, time.monotonic() + limit_s, []
+
+    def step():
+        if started or len(loop.engine.requests) >= count or time.monotonic() > deadline:
+            started.append(True)
+            real_step()
+        else:
+            time.sleep(0.005)  # back to the loop, which applies the next add
+
+    loop._step = step
+
+
 @pytest.mark.points(1)
 def test_gauges_show_a_running_request_and_preemptions_match_the_engine(embedded_model_dir):
     # 8 blocks of 16 tokens: three requests of ~6 + 40 tokens (3 blocks each) cannot all run at once.
     app, loop, _ = build_server(embedded_model_dir, num_blocks=8, block_size=16, prefix_sharing=False)
+    hold_until_queued(loop, 3)  # else, on a busy machine, the first could finish before the third arrives
     with Server(app) as url:
         body = {"prompt": "Blessed are the", "max_tokens": 40, "temperature": 0, "stream": True}
         streams = [httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) for _ in range(3)]
