@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import re
 
 import pytest
 import torch
@@ -78,6 +79,32 @@ def one_torch_thread():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+_STUB = re.compile(r"NotImplementedError: L\d+: .*")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A stub that raised in a thread the test does not join (L11's server and engine loop) only
+    shows in the captured log; the test itself fails on what the client saw (a 500, a cut stream).
+    Such a failure's report ends with the stub's line, so it names the function to write."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and "NotImplementedError" not in report.longreprtext:
+        stub = _STUB.search(report.caplog + report.capstderr) or _STUB.search(_dead_thread_error(item))
+        if stub:
+            report.longrepr = f"{report.longreprtext}\n\nRaised in the server's thread: {stub.group(0)}"
+
+
+def _dead_thread_error(item) -> str:
+    """The error that stopped a fixture's engine loop in an earlier test (its `error`), or ""."""
+    for value in getattr(item, "funcargs", {}).values():
+        for obj in value if isinstance(value, tuple) else (value,):
+            error = getattr(obj, "error", None)
+            if isinstance(error, NotImplementedError):
+                return f"NotImplementedError: {error}"
+    return ""
 
 
 @pytest.hookimpl(trylast=True)

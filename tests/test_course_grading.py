@@ -88,6 +88,17 @@ def test_a_fresh_student_copy_scores_nothing_in_any_lesson(tool, tmp_path):
     assert {t["tags"][0] for t in tests} >= set(LESSONS), by_lesson(tests)
 
 
+def test_a_stub_that_raises_in_the_servers_thread_is_named_in_the_failure(tool, tmp_path):
+    """L11's client tests fail on what the client sees (a cut stream, an error body); the stub
+    that raised did so in the server's or the engine loop's thread. Its line must still end the
+    test's output, so a student sees which function to write."""
+    assert tool.main([str(tmp_path / "copy")]) == 0
+    tests = grade(tmp_path / "copy", tmp_path / "results.json", "tests/test_l11_client.py", timeout=300)
+    assert tests
+    unnamed = [t["name"] for t in tests if "NotImplementedError: L11: " not in t["output"]]
+    assert not unnamed, f"these fail without naming the stub: {unnamed}"
+
+
 def check_finishing_l1(tool, tmp_path, *args):
     assert tool.main([str(tmp_path / "copy"), "--keep", "L1"]) == 0
     tests = grade(tmp_path / "copy", tmp_path / "results.json", *args)
