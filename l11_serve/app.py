@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,11 +25,13 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from l1_contiguous import InputError
+from l8_prefix.engine import one_line
 
 from .loop import EngineLoop, Stream
 from .protocol import CompletionParams, parse_completion
 from .stops import StopMatcher
 
+log = logging.getLogger("l11_serve")
 STATIC = Path(__file__).parent / "static"
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "aborted": "abort", "error": "error"}
 
@@ -54,6 +57,10 @@ def error(status: int, message: str, kind: str = "invalid_request_error", header
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _not_running(loop: EngineLoop) -> str:
+    return f"the engine loop is not running ({one_line(loop.error) if loop.error else 'stopped'})"
+
+
 def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
     waiting = {"count": 0}  # streams without their first token (asyncio thread only)
 
@@ -71,7 +78,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
             return error(429, f"the server has {waiting['count']} requests waiting (its limit); retry later",
                          "rate_limit_error", headers={"Retry-After": "1"})
         if not loop.alive:
-            return error(503, "the engine loop is not running; see the server's log", "server_error")
+            return error(503, f"{_not_running(loop)}; see the server's log", "server_error")
         stream = loop.submit(params.work_item())
         try:
             await asyncio.wrap_future(stream.accepted)
@@ -98,7 +105,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
     async def health(request: Request) -> Response:
         if loop.alive:
             return JSONResponse({"status": "ok"})
-        return error(503, f"the engine loop is not running ({loop.error!r})", "server_error")
+        return error(503, _not_running(loop), "server_error")
 
     async def metrics(request: Request) -> Response:
         return Response(loop.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -161,11 +168,19 @@ def _usage(params: CompletionParams, choices: list[Choice]) -> dict:
 
 
 async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice]):
-    """One event per engine step (all choices it advanced), then usage if asked, then [DONE]."""
-    async for out in steps:
-        chunk = {**head, "choices": [{"index": i, "text": text, "token_ids": ids, "logprobs": None,
-                                      "finish_reason": finish} for i, text, ids, finish in out]}
-        yield f"data: {json.dumps(chunk)}\n\n"
+    """One event per engine step (all choices it advanced), then usage if asked, then [DONE]. If
+    making the text fails, an OpenAI-style error event ends the stream instead of a cut connection."""
+    try:
+        async for out in steps:
+            chunk = {**head, "choices": [{"index": i, "text": text, "token_ids": ids, "logprobs": None,
+                                          "finish_reason": finish} for i, text, ids, finish in out]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except Exception as exc:
+        log.exception("a completion stream failed")
+        body = {"error": {"message": f"the server failed: {one_line(exc)}", "type": "server_error",
+                          "param": None, "code": 500}}
+        yield f"data: {json.dumps(body)}\n\n"
+        return
     if params.include_usage:
         yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(params, choices)})}\n\n"
     yield "data: [DONE]\n\n"
@@ -184,15 +199,20 @@ async def _whole(request: Request, steps, head: dict, params: CompletionParams, 
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    done, pending = await asyncio.wait([asyncio.ensure_future(collect()), asyncio.ensure_future(hang_up())],
+    collecting = asyncio.ensure_future(collect())
+    done, pending = await asyncio.wait([collecting, asyncio.ensure_future(hang_up())],
                                        return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     await steps.aclose()  # runs its finally: aborts whatever still runs
+    if collecting in done and collecting.exception() is not None:  # our failure, not the client's
+        log.error("a completion failed", exc_info=collecting.exception())
+        return error(500, f"the server failed: {one_line(collecting.exception())}", "server_error")
     if any(c.finish_reason is None for c in choices):
         return error(499, "client closed the request", "client_closed")  # nobody reads it
     body = {**head, "choices": [{"index": i, "text": texts[i], "token_ids": c.token_ids, "logprobs": None,
                                  "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
             "usage": _usage(params, choices)}
     return JSONResponse(body)
+

@@ -171,3 +171,25 @@ def test_a_model_without_a_tokenizer_takes_ids_and_says_what_needs_text(tiny_mod
             assert r.status_code == 400 and words in r.json()["error"]["message"]
         wait_idle(loop)
         assert_no_leak(loop)
+
+
+def test_a_failure_while_making_the_text_is_a_500_that_names_it_and_the_server_goes_on(served, monkeypatch):
+    """Not the client's fault, so not a 499: a whole completion is a 500 with the error's line, a
+    stream ends with an OpenAI-style error event; the samples are aborted and the next request works."""
+    client, loop, _ = served
+
+    def feed(self, token_ids):
+        raise RuntimeError("the detokenizer broke")
+
+    monkeypatch.setattr("l11_serve.app.StopMatcher.feed", feed)
+    r = complete(client, max_tokens=6)
+    assert r.status_code == 500 and r.json()["error"]["message"] == "the server failed: RuntimeError: the detokenizer broke"
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "temperature": 0, "max_tokens": 6,
+                                                        "stream": True}) as streamed:
+        chunks = sse_chunks(streamed.iter_lines())
+    assert chunks == [{"error": {"message": "the server failed: RuntimeError: the detokenizer broke",
+                                 "type": "server_error", "param": None, "code": 500}}]
+    wait_idle(loop)
+    assert_no_leak(loop)
+    monkeypatch.undo()
+    assert complete(client, max_tokens=4).json()["choices"][0]["finish_reason"] == "length"
