@@ -85,3 +85,40 @@ def run_script_json(name: str, argv: list[str], capsys) -> tuple[int, dict | Non
                     pytrace=False)
     last = out.strip().splitlines()[-1] if out.strip() else ""
     return status, (json.loads(last) if last.startswith("{") else None), err
+
+
+def check_the_pool_is_the_cache(model_dir, make_runner) -> None:
+    """A kv_step that kept K/V somewhere of its own would still give HF's ids. So: after a prefill
+    and one decode step, the pool's slots hold HF's K and V for each position written; and noise
+    written into the prompt's slots after the prefill changes the next step's logits.
+    `make_runner()` returns a fresh L2-style runner (`step`, `forward_logits`, `pool`)."""
+    from l2_paged import Request
+
+    runner = make_runner()
+    prompt = random_prompt(9, runner.model.config.vocab_size, seed=31)
+    req = Request(list(prompt), max_new_tokens=4)
+    runner.step([req], [len(prompt)])
+    runner.step([req], [1])
+    written = req.tokens[:req.cur_len]  # 10 positions
+    cache = hf.load_hf_model(str(model_dir)).forward(torch.tensor([written]), use_cache=True).past_key_values
+    slots = torch.tensor(req.slot_indices[:len(written)])
+    for layer in range(runner.model.config.num_hidden_layers):
+        hf_k, hf_v = (t[0].transpose(0, 1) for t in (cache.layers[layer].keys, cache.layers[layer].values))
+        torch.testing.assert_close(runner.pool.K[layer][slots], hf_k, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"layer {layer}: the pool's K is not HF's K of the positions written\n{m}")
+        torch.testing.assert_close(runner.pool.V[layer][slots], hf_v, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"layer {layer}: the pool's V is not HF's V of the positions written\n{m}")
+
+    logits = []
+    for poison in (False, True):
+        runner = make_runner()
+        req = Request(list(prompt), max_new_tokens=4)
+        token = runner.forward([req], [len(prompt)])[0]
+        req.output_ids.append(token)
+        if poison:
+            slots = torch.tensor(req.slot_indices[:len(prompt)])
+            for t in runner.pool.K + runner.pool.V:
+                t[slots] = torch.randn_like(t[slots]) * 10
+        logits.append(runner.forward_logits([req], [1])[0])
+    assert not torch.allclose(logits[0], logits[1], atol=1e-3), \
+        "noise written into the pool after the prefill did not change the decode: it does not read the pool"

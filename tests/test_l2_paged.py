@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import hf_reference as hf
-from helpers import hf_ids, random_prompt
+from helpers import check_the_pool_is_the_cache, hf_ids, random_prompt
 from l1_contiguous import Qwen3ForCausalLM, greedy_generate
 from l2_paged import (BlockAllocator, KvPool, OutOfBlocksError, PagedAttention, PagedRunner, Request,
                       load_paged_model, reserve)
@@ -49,6 +49,11 @@ def test_nan_filled_pool_still_equals_hf(tiny_model_dir, block_size):
     check_all_free(runner)
     pool = runner.pool
     assert torch.isnan(pool.K[0]).any()  # the pool was never cleaned: slots nobody wrote are still NaN
+
+
+@pytest.mark.points(2)
+def test_the_pool_holds_hf_s_k_and_v_of_each_position_and_decode_reads_it(tiny_model_dir):
+    check_the_pool_is_the_cache(tiny_model_dir, lambda: make_runner(tiny_model_dir))
 
 
 @pytest.mark.points(4)

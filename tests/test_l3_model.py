@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import hf_ids, random_prompt
+from helpers import check_the_pool_is_the_cache, hf_ids, random_prompt
 from l1_contiguous import load_config
 from l2_paged import BlockAllocator, PagedRunner, Request, load_paged_model, reserve
 from l2_paged import KvPool
@@ -24,6 +24,14 @@ def test_block_view_and_flat_view_are_the_same_memory(tiny_model_dir):
     assert torch.equal(pool.v_blocks[1][3, 1], -k[0])
     assert pool.k_blocks[0].data_ptr() == pool.K[0].data_ptr()
     assert pool.nbytes() == KvPool(cfg, 5, 4, torch.float32).nbytes()  # same bytes as L2's layout
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("backend", ["reference", "gather"])
+def test_the_block_pool_holds_hf_s_k_and_v_of_each_position_and_decode_reads_it(tiny_model_dir, backend):
+    cfg, model = load_config(tiny_model_dir), load_block_model(tiny_model_dir)
+    check_the_pool_is_the_cache(tiny_model_dir, lambda: BlockTableRunner(
+        model, BlockKvPool(cfg, 16, 4, torch.float32), BlockAllocator(16, 4), backend=backend))
 
 
 @pytest.mark.points(1)
