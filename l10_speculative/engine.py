@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from l1_contiguous import InputError
+from l1_contiguous.errors import one_line
 from l5_eviction import Scheduler, State, StepRunner, make_engine
 from l8_prefix import PrefixEngine, PrefixRequest, PrefixScheduler
-from l8_prefix.engine import one_line
 
 from .acceptance import accept_greedy, accept_sampled, next_k
 from .rewind import rewind

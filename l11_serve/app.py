@@ -25,7 +25,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from l1_contiguous import InputError
-from l8_prefix.engine import one_line
+from l1_contiguous.errors import one_line
 
 from .loop import EngineLoop, Stream
 from .protocol import CompletionParams, parse_completion

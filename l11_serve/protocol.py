@@ -12,6 +12,7 @@ import secrets
 from dataclasses import dataclass
 
 from l1_contiguous import InputError
+from l1_contiguous.errors import short_repr
 
 from .engine import ServeItem
 
@@ -89,14 +90,14 @@ def _prompt(prompt, tokenizer) -> list[int]:
 
 def _ids(value, name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        raise InputError(f"{name} must be a list of integer token ids, got {_short(value)}")
+        raise InputError(f"{name} must be a list of integer token ids, got {short_repr(value)}")
     return value  # the engine checks each against the vocabulary
 
 
 def _stop(stop) -> list[str]:
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise InputError(f"stop must be a non-empty string or a list of them, got {_short(stop)}")
+        raise InputError(f"stop must be a non-empty string or a list of them, got {short_repr(stop)}")
     return stop
 
 
@@ -106,7 +107,7 @@ def _int(body: dict, name: str, default, low: int, high: int | None = None) -> i
         value = default
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"in {low}..{high}"
-        raise InputError(f"{name} must be an integer {span}, got {_short(value)}")
+        raise InputError(f"{name} must be an integer {span}, got {short_repr(value)}")
     return value
 
 
@@ -117,7 +118,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
         and (value > low if open_low else value >= low) and value <= high
     if not ok:
-        raise InputError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {_short(value)}")
+        raise InputError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {short_repr(value)}")
     return float(value)
 
 
@@ -126,10 +127,5 @@ def _bool(body: dict, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise InputError(f"{name} must be true or false, got {_short(value)}")
+        raise InputError(f"{name} must be true or false, got {short_repr(value)}")
     return value
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from l1_contiguous import InputError
+from l1_contiguous.errors import short_repr
 from l2_paged import BlockAllocator
 from l2_paged.allocator import check_pool_shape
 from l3_block_kernel import BlockKvPool
@@ -118,12 +119,12 @@ class Engine:
         (An empty prompt or max_new_tokens < 1 is the scheduler's `check`, which says why.)"""
         who, cfg = f"request {len(self.requests)}", self.model.config
         if not isinstance(item, WorkItem):
-            raise InputError(f"{who}: add_request takes a WorkItem, got {type(item).__name__} {_short(item)}")
+            raise InputError(f"{who}: add_request takes a WorkItem, got {type(item).__name__} {short_repr(item)}")
         ids, stop_ids = item.prompt_ids, item.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
-            raise InputError(f"{who}: prompt_ids must be a list of ints, got {_short(ids)}")
+            raise InputError(f"{who}: prompt_ids must be a list of ints, got {short_repr(ids)}")
         if not isinstance(stop_ids, (list, tuple, set, frozenset)) or not all(_is_int(i) for i in stop_ids):
-            raise InputError(f"{who}: stop_token_ids must be a list of ints, got {_short(stop_ids)}")
+            raise InputError(f"{who}: stop_token_ids must be a list of ints, got {short_repr(stop_ids)}")
         bad = next((i for i in [*ids, *stop_ids] if not 0 <= i < cfg.vocab_size), None)
         if bad is not None:
             raise InputError(f"{who}: token id {bad!r} is outside the vocabulary 0..{cfg.vocab_size - 1}")
@@ -135,7 +136,7 @@ class Engine:
         if isinstance(item.priority, bool) or not isinstance(item.priority, (int, float)) \
                 or not -MAX_PRIORITY <= item.priority <= MAX_PRIORITY:  # NaN fails this too
             raise InputError(f"{who}: priority must be a number from -10**9 to 10**9 (a policy weighs it "
-                             f"in a float score), got {_short(item.priority)}")
+                             f"in a float score), got {short_repr(item.priority)}")
         if not _is_int(item.arrival_step) or item.arrival_step < 0:
             raise InputError(f"{who}: arrival_step must be an int >= 0, got {item.arrival_step!r}")
 
@@ -143,7 +144,7 @@ class Engine:
         """Finish a request now (finish_reason "aborted"), freeing what it holds; all or nothing."""
         self._finish_rollback()
         if not _is_int(request_id) or request_id not in self.requests:
-            raise InputError(f"abort: no request has id {_short(request_id)} (ids are 0..{len(self.requests) - 1})")
+            raise InputError(f"abort: no request has id {short_repr(request_id)} (ids are 0..{len(self.requests) - 1})")
         req = self.requests[request_id]
         if req.state is State.FINISHED:
             return
@@ -304,11 +305,13 @@ class Engine:
                 "swapped_copies_left": sum(r.swapped is not None for r in self.requests.values())}
 
 
+@dataclass
 class _PendingRollback:
     """A step's (or call's) saved state, kept until its rollback has completed."""
 
-    def __init__(self, saved: list, victims: list[EngineRequest], marks):
-        self.saved, self.victims, self.marks = saved, victims, marks
+    saved: list
+    victims: list[EngineRequest]
+    marks: object  # `_failure_marks()` at the failure
 
 
 class _GeneratorState:
@@ -337,11 +340,6 @@ def _restored(value):
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def generated_ids(requests: dict[int, EngineRequest]) -> dict[int, list[int]]:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from l1_contiguous import InputError
+from l1_contiguous.errors import one_line, short_repr
 from l2_paged import release
 from l5_eviction import Engine, EngineRequest, Scheduler, State, WorkItem, make_engine
-from l5_eviction.engine import _short
 
 from .block_hash import block_key, chain_keys
 from .cow import copy_on_write, shared_write_block
@@ -178,14 +178,14 @@ class PrefixEngine(Engine):
         n, temperature, seed = getattr(item, "n", 1), getattr(item, "temperature", 0.0), getattr(item, "seed", 0)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.alloc.num_blocks:
             raise InputError(f"{who}: n (samples) must be an int from 1 to the pool's {self.alloc.num_blocks} "
-                             f"blocks (each sample writes into a block of its own), got {_short(n)}")
+                             f"blocks (each sample writes into a block of its own), got {short_repr(n)}")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or not 0 <= temperature <= MAX_TEMPERATURE:  # NaN fails this too
             raise InputError(f"{who}: temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}, "
-                             f"got {_short(temperature)}")
+                             f"got {short_repr(temperature)}")
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_LIMIT - n:
             raise InputError(f"{who}: seed must be an int from 0 to 2**64 - n (sample k draws with seed + k), "
-                             f"got {_short(seed)}")
+                             f"got {short_repr(seed)}")
 
     def _new_request(self, item: WorkItem) -> PrefixRequest:
         req = super()._new_request(item)
@@ -263,12 +263,13 @@ class PrefixEngine(Engine):
             self._as_sample(child, parent, k)
         except Exception as exc:
             child.error = f"seeding sample {k} failed: {one_line(exc)}"
-        token = self._draw_or_fail(child, logits_row) if child.error is None else -1
+        else:
+            token = self._draw_or_fail(child, logits_row)
         if child.error is not None:
             self._finish(child, "error")
-            return
-        child.output_ids.append(token)
-        self._maybe_finish(child)
+        else:
+            child.output_ids.append(token)
+            self._maybe_finish(child)
 
     # ------------------------------------------------------------------ rollback (see Engine.step)
 
@@ -319,11 +320,6 @@ def draw(req: PrefixRequest, logits_row: torch.Tensor) -> int:
         return int(logits_row.argmax())
     probs = torch.softmax(logits_row.float() / req.temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=req.generator))
-
-
-def one_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def make_prefix_engine(model, num_blocks: int, block_size: int = 16, **kwargs) -> PrefixEngine:
