@@ -22,7 +22,7 @@ from l1_contiguous import InputError
 from l2_paged import load_paged_model
 from l3_block_kernel import BlockForwardMeta, BlockTableAttention, BlockTableRunner, build_block_meta
 
-from .head import use_fast_head
+from .fast_linear import use_packed_linears
 
 
 @dataclass
@@ -78,13 +78,14 @@ class MixedBatchAttention(BlockTableAttention):
         return self.attend(q, k_all, v_all, meta)
 
 
-def load_engine_model(model_dir: str | Path, dtype=torch.float32, device="cpu", fast_head: bool = True):
+def load_engine_model(model_dir: str | Path, dtype=torch.float32, device="cpu", packed_linears: bool = True):
     """L3's model with attention that runs mixed steps: the model every L5 (and L8) engine runs.
 
-    fast_head: on a CPU in float32, the output head runs on oneDNN (head.py; False: `nn.Linear`).
+    packed_linears: on a CPU in float32, every matrix product runs on oneDNN with its weights
+    packed for few rows (fast_linear.py; False: `nn.Linear`, half the memory).
     """
     model = load_paged_model(model_dir, dtype, device, attention_cls=MixedBatchAttention)
-    return use_fast_head(model) if fast_head else model
+    return use_packed_linears(model) if packed_linears else model
 
 
 def engine_backend(device) -> str:

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""The output head's product on a few rows, four ways, against one read of its weights.
+"""The output head's product on a few rows, five ways, against one read of its weights.
 
 logits [rows, vocab] = x [rows, hidden] @ W.T with Qwen3-0.6B's head (151,936 x 1,024, float32,
-random): `F.linear` (MKL's sgemm), oneDNN on a converted copy (what the engine uses,
-l5_eviction/head.py), the head cut into 4,096-row pieces, and `W @ x.T` (the tall layout); and,
-for scale, summing W (one read of its 622 MB). Methods take turns within each round; best of
---repeat rounds.
+random): `F.linear` (MKL's sgemm), oneDNN on the plain layout, oneDNN on the weights packed for
+4-row blocks (what the engine uses, l5_eviction/fast_linear.py), the head cut into 4,096-row
+pieces, and `W @ x.T` (the tall layout); and, for scale, summing W (one read of its 622 MB).
+Methods take turns within each round; best of --repeat rounds.
 
-    python scripts/bench_head.py --rows 1,6,32 --repeat 5
+    python scripts/bench_head.py --rows 1,2,4,6,32 --repeat 5
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from harness.benchmark import print_table  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B  # noqa: E402
-from l5_eviction.head import OneDnnHead  # noqa: E402
+from l5_eviction.fast_linear import PackedLinear, onednn_product  # noqa: E402
 
 PIECE = 4096
 
@@ -33,9 +33,9 @@ PIECE = 4096
 def methods(weight: torch.Tensor) -> dict:
     dense = torch.nn.Linear(1, 1, bias=False)
     dense.weight = torch.nn.Parameter(weight, requires_grad=False)
-    head = OneDnnHead(dense)
     return {"F.linear": lambda x: F.linear(x, weight),
-            "oneDNN": head,
+            "oneDNN plain": lambda x: onednn_product(x, weight),
+            "oneDNN packed": PackedLinear(dense),
             f"{PIECE}-row pieces": lambda x: torch.cat([F.linear(x, w) for w in weight.split(PIECE)], dim=1),
             "W @ x.T": lambda x: torch.mm(weight, x.t()).t(),
             "sum of W": lambda x: weight.sum()}
@@ -43,7 +43,7 @@ def methods(weight: torch.Tensor) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="1,6,32", help="row counts, comma-separated (default 1,6,32)")
+    p.add_argument("--rows", default="1,2,4,6,32", help="row counts, comma-separated (default 1,2,4,6,32)")
     p.add_argument("--repeat", type=int, default=5, help="rounds, best kept (default 5)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = p.parse_args(argv)
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
                     way(x)
                     best[name] = min(best[name], time.perf_counter() - start)
             table.append({"rows": n, **{f"{name} ms": 1e3 * t for name, t in best.items()},
-                          "F.linear / oneDNN": best["F.linear"] / best["oneDNN"]})
+                          "F.linear / packed": best["F.linear"] / best["oneDNN packed"]})
     print(f"{torch.get_num_threads()} thread(s), load average " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
     print_table(table)
     return 0

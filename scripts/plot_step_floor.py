@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The time of one engine step against its floor, as the rows per step grow; the head's before/after.
+"""The time of one engine step against its floor, as the rows per step grow; packed products before/after.
 
 On a random model with Qwen3-0.6B's shapes (--layers of its 28; made in-process, nothing
 downloaded), the L5 engine's forward runs decode steps of 1 to 64 requests (each with --context
-tokens cached) and prefill chunks of 128 and 256 rows, twice per round: with its output head on
-oneDNN (l5_eviction/head.py, the default) and with the plain `nn.Linear` head (before). Rounds
-alternate the two, best of --repeat kept. Each step's floor is max(bytes / bandwidth, FLOPs /
+tokens cached) and prefill chunks of 128 and 256 rows, twice per round: with every matrix product
+on oneDNN's packed weights (l5_eviction/fast_linear.py, the default) and with `nn.Linear`
+(before). Rounds alternate the two, best of --repeat kept. Each step's floor is max(bytes / bandwidth, FLOPs /
 matmul rate), with the constants measured in the same run (harness.benchmark.measure_machine).
 Prints the table and draws docs/img/l5_step_floor.png (--plot PATH to change, --no-plot to skip).
 
@@ -31,7 +31,7 @@ from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l2_paged import BlockAllocator  # noqa: E402
 from l3_block_kernel import BlockKvPool  # noqa: E402
 from l5_eviction import EngineRequest, StepRunner, load_engine_model  # noqa: E402
-from l5_eviction.head import OneDnnHead  # noqa: E402
+from l5_eviction.fast_linear import PackedLinear  # noqa: E402
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_ROWS = (128, 256)
@@ -54,7 +54,7 @@ class StepBench:
 
     def __init__(self, model, context: int, calls: int):
         cfg, rng = model.config, random.Random(0)
-        decode_len = context + calls * 2 * len(DECODE_ROWS) + 1  # every decode point, both heads
+        decode_len = context + calls * 2 * len(DECODE_ROWS) + 1  # every decode point, both ways
         prefill_len = calls * 2 * sum(PREFILL_ROWS) + 1
         lengths = [decode_len] * max(DECODE_ROWS) + [prefill_len]
         tokens = sum(lengths) + 16 * len(lengths)
@@ -75,27 +75,44 @@ class StepBench:
         return shape
 
 
-def measure(model, heads: dict, args) -> list[dict]:
+def linear_sets(model) -> dict:
+    """{"packed oneDNN": ..., "nn.Linear": ...}: each a list of (parent, name, module) covering every product."""
+    slots = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, PackedLinear)]
+    plain = []
+    for parent, name, packed in slots:
+        linear = torch.nn.Linear(1, 1, bias=False)
+        linear.weight = packed.weight  # the same parameter, so the same logits up to summation order
+        plain.append((parent, name, linear))
+    return {"packed oneDNN": slots, "nn.Linear": plain}
+
+
+def install(linears: list) -> None:
+    for parent, name, module in linears:
+        setattr(parent, name, module)
+
+
+def measure(model, ways: dict, args) -> list[dict]:
     points = [("decode", r) for r in DECODE_ROWS] + [("prefill", r) for r in PREFILL_ROWS]
     bench = StepBench(model, args.context, args.repeat + 1)
-    best = {(name, p): float("inf") for name in heads for p in points}
+    best = {(name, p): float("inf") for name in ways for p in points}
     shapes = {}
     with torch.inference_mode():
         for round_ in range(args.repeat + 1):  # round 0: warm-up
             for point in points:
-                for name, head in heads.items():
-                    model.lm_head = head
+                for name, linears in ways.items():
+                    install(linears)
                     start = time.perf_counter()
                     shapes[point] = bench.run(*point)
                     if round_:
                         best[name, point] = min(best[name, point], time.perf_counter() - start)
             print(f"  round {round_}/{args.repeat} done (load average {load_average()})", flush=True)
-    model.lm_head = heads["oneDNN head"]
+    install(ways["packed oneDNN"])
     return [{"kind": kind, "rows": rows, "shape": shapes[kind, rows],
-             **{name: best[name, (kind, rows)] for name in heads}} for kind, rows in points]
+             **{name: best[name, (kind, rows)] for name in ways}} for kind, rows in points]
 
 
-def draw(table: list[dict], cost: ModelCost, machine, heads, path: str, title: str) -> None:
+def draw(table: list[dict], cost: ModelCost, machine, ways, path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +120,7 @@ def draw(table: list[dict], cost: ModelCost, machine, heads, path: str, title: s
 
     rows = [t["rows"] for t in table]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, style in zip(heads, ("o-", "s--")):
+    for name, style in zip(ways, ("o-", "s--")):
         ax.plot(rows, [1e3 * t[name] for t in table], style, label=f"measured, {name}")
     ax.plot(rows, [1e3 * cost.floor_s(t["shape"], machine) for t in table], "k-", lw=2, label="floor")
     ax.plot(rows, [1e3 * cost.bytes(t["shape"]) / machine.read_bytes_per_s for t in table], "k:",
@@ -132,25 +149,24 @@ def main(argv=None) -> int:
         config = {k: v for k, v in QWEN3_0_6B.items() if k != "num_hidden_layers"}
         path = make_random_model(Path(tmp) / "m", hf_init=False, num_hidden_layers=args.layers, **config)
         model = load_engine_model(path)
-    if not isinstance(model.lm_head, OneDnnHead):
+    if not isinstance(model.lm_head, PackedLinear):
         print("error: this torch has no oneDNN CPU path; nothing to compare", file=sys.stderr)
         return 2
-    heads = {"oneDNN head": model.lm_head, "nn.Linear head": torch.nn.Linear(1, 1, bias=False)}
-    heads["nn.Linear head"].weight = model.lm_head.weight
+    ways = linear_sets(model)
     before = measure_machine(model.config)
-    table = measure(model, heads, args)
+    table = measure(model, ways, args)
     machine = best_of(before, measure_machine(model.config))
     cost = ModelCost.of(model.config, 4)
     print(f"\n{args.layers} layers of the 0.6B shape, {torch.get_num_threads()} thread(s), {machine.line()}, "
           f"load average {load_average()}")
-    rows = [{"step": f"{t['kind']} {t['rows']}", **{f"{n} ms": 1e3 * t[n] for n in heads},
-             "head speed-up": t["nn.Linear head"] / t["oneDNN head"], "floor ms": 1e3 * cost.floor_s(t["shape"], machine),
-             "% of floor": 100 * cost.floor_s(t["shape"], machine) / t["oneDNN head"],
+    rows = [{"step": f"{t['kind']} {t['rows']}", **{f"{n} ms": 1e3 * t[n] for n in ways},
+             "speed-up": t["nn.Linear"] / t["packed oneDNN"], "floor ms": 1e3 * cost.floor_s(t["shape"], machine),
+             "% of floor": 100 * cost.floor_s(t["shape"], machine) / t["packed oneDNN"],
              "bound by": "memory" if cost.bytes(t["shape"]) / machine.read_bytes_per_s
              >= cost.flops(t["shape"]) / machine.matmul_flops_per_s else "compute"} for t in table]
     print_table(rows)
     if not args.no_plot:
-        draw(table, cost, machine, heads, args.plot,
+        draw(table, cost, machine, ways, args.plot,
              f"One L5 step, Qwen3-0.6B shape ({args.layers} layers), fp32, {torch.get_num_threads()} CPU thread(s), "
              f"load {load_average().split()[0]}")
     return 0

@@ -1,7 +1,7 @@
-"""The floor of a step (harness.benchmark) and the engine's oneDNN head (provided code, no points):
+"""The floor of a step (harness.benchmark) and the engine's packed products (provided code, no points):
 bytes and FLOPs counted from the config equal those counted on the model itself, a step's shape
 equals a brute-force count of its rows and keys, recording steps leaves the engine's output
-unchanged, and the head's logits equal `nn.Linear`'s within the HF tolerance."""
+unchanged, and every packed product equals `nn.Linear`'s within the HF tolerance at every row count."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from harness.benchmark import Machine, ModelCost, StepShape, padded_batch_steps,
 from helpers import hf_ids, load_script, random_prompt
 from l1_contiguous import load_config
 from l5_eviction import WorkItem, load_engine_model, make_engine
-from l5_eviction.head import OneDnnHead
+from l5_eviction.fast_linear import PACKED_ROWS, PackedLinear
 
 pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -38,7 +38,7 @@ def test_padded_batch_steps_run_every_row_to_the_longest_prompt_and_output():
 @pytest.mark.parametrize("tied", [False, True])
 def test_model_cost_counts_the_bytes_and_flops_of_the_model_itself(make_model, tied):
     path = make_model(seed=3, tie_word_embeddings=tied)
-    model, cfg = load_engine_model(path, fast_head=False), load_config(path)
+    model, cfg = load_engine_model(path, packed_linears=False), load_config(path)
     cost = ModelCost.of(cfg, itemsize=4)
     params = {id(p): p for p in model.parameters()}  # a tied head is one tensor
     embedding = model.model.embed_tokens.weight
@@ -65,17 +65,20 @@ def test_recorded_steps_cover_every_token_and_leave_the_ids_as_hf(tiny_model_dir
     assert sum(shape.logit_rows for shape, _ in log) == 3 * 3
 
 
-def test_onednn_head_matches_the_linear_and_keeps_the_tied_weight(make_model):
+def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model):
     path = make_model(seed=4, tie_word_embeddings=True)
-    fast, plain = load_engine_model(path), load_engine_model(path, fast_head=False)
+    fast, plain = load_engine_model(path), load_engine_model(path, packed_linears=False)
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: the engine keeps nn.Linear")
-    assert isinstance(fast.lm_head, OneDnnHead) and isinstance(plain.lm_head, nn.Linear)
+    pairs = [(f, p) for f, p in zip(fast.modules(), plain.modules()) if isinstance(p, nn.Linear)]
+    assert pairs and all(isinstance(f, PackedLinear) for f, _ in pairs)  # every layer's products and the head
     assert fast.lm_head.weight is fast.model.embed_tokens.weight  # still tied, still the model's dtype/device
-    x = torch.randn(7, fast.config.hidden_size)
     with torch.inference_mode():
-        torch.testing.assert_close(fast.lm_head(x), plain.lm_head(x), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(fast.lm_head(x[::3]), plain.lm_head(x[::3]), rtol=1e-5, atol=1e-5)
+        for f, p in pairs:
+            x = torch.randn(2 * PACKED_ROWS + 1, p.in_features)
+            # one row (plain layout), fewer than a block (padded), a block and more, non-contiguous rows
+            for rows in (x[:1], x[:PACKED_ROWS - 1], x[:PACKED_ROWS], x, x[::3], x[:6].view(2, 3, -1)):
+                torch.testing.assert_close(f(rows), p(rows), rtol=1e-5, atol=1e-5)
 
 
 def test_bench_l5_prints_a_floor_for_every_system(tmp_path, tiny_model_dir):

@@ -1,0 +1,88 @@
+"""The engine's matrix products on a CPU: where a decode step's time goes, and how it gets near its floor.
+
+    y [rows, out] = x [rows, in] @ W.T        W: [out, in], e.g. the head: 151,936 x 1,024 for Qwen3-0.6B
+
+A decode step has a few rows (one per request), so each product reads all of W to do only
+2 x rows multiply-adds per weight: it should take the time of one read of W. `F.linear` hands
+this skinny shape to MKL's sgemm, which on the course's AMD CPU took 2 to 4 times that. oneDNN's
+kernel does better when W is first reordered ("packed") into the blocked layout its micro-kernel
+reads for blocks of 4 rows: at 4 to 32 rows the head took 0.5-0.8x the time of oneDNN on the
+plain layout, and every layer product too (docs/benchmarks.md, "The floor of a step"). The packed
+kernel has one weak spot, 1 to 3 rows: one row takes the plain layout (the fastest there), two or
+three are padded with zero rows to four.
+
+The logits are the same sums in another order (differences ~1e-6, inside the tolerance every HF
+comparison uses). Engine-only, on a CPU in float32 where oneDNN is built in and the product
+checks out on a probe; elsewhere (CUDA, bf16, a torch without these ops) the model keeps its
+`nn.Linear`s. The packed copy costs one more copy of every matrix (the dense weight stays: the
+model's parameter, tied to the embedding for the head, and the one-row path).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKED_ROWS = 4  # the row block the packed layout is chosen for; fewer rows are padded up to it
+
+
+def onednn_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ weight.T by oneDNN; `weight` dense or packed by `pack`."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] reordered once into oneDNN's blocked layout for PACKED_ROWS-row products."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` without bias computed by oneDNN; `.weight` stays the model's dense parameter."""
+
+    def __init__(self, dense: nn.Linear):
+        super().__init__()
+        self.weight = dense.weight  # its dtype, device, and tie to the embedding are the model's
+        self.packed = pack(dense.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]."""
+        lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
+        x = x.reshape(rows, x.shape[-1]).contiguous()
+        if rows == 1:
+            y = onednn_product(x, self.weight.detach())
+        elif rows < PACKED_ROWS:
+            y = onednn_product(F.pad(x, (0, 0, 0, PACKED_ROWS - rows)), self.packed)[:rows]
+        else:
+            y = onednn_product(x, self.packed)
+        return y.reshape(*lead, y.shape[-1])
+
+
+@functools.cache
+def packing_works() -> bool:
+    """oneDNN is built in and its packed product equals `F.linear` on a probe (run once)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight, x = torch.randn(64, 32), torch.randn(PACKED_ROWS, 32)
+        with torch.inference_mode():
+            return torch.allclose(onednn_product(x, pack(weight)), F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    except (RuntimeError, AttributeError, NotImplementedError):  # a torch built without these ops
+        return False
+
+
+def can_pack(linear: nn.Linear) -> bool:
+    w = linear.weight
+    return w.device.type == "cpu" and w.dtype == torch.float32 and linear.bias is None and packing_works()
+
+
+def use_packed_linears(model):
+    """Swap every `nn.Linear` of the model (each layer's and the head) for a PackedLinear where it applies."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and can_pack(child):
+                setattr(module, name, PackedLinear(child))
+    return model
