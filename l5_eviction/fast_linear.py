@@ -4,14 +4,15 @@
 
 A decode step has a few rows (one per request), so each product reads all of W to do only
 2 x rows multiply-adds per weight: it should take the time of one read of W. `F.linear` hands
-this skinny shape to MKL's sgemm, which on the course's AMD CPU took 2 to 4 times that. oneDNN's
+this skinny shape to MKL's sgemm, which on the course's AMD CPU took 3 to 11 times that. oneDNN's
 kernel does better when W is first reordered ("packed") into the blocked layout its micro-kernel
-reads for blocks of 4 rows: at 4 to 32 rows the head took 0.5-0.8x the time of oneDNN on the
-plain layout, and every layer product too (docs/benchmarks.md, "The floor of a step"). The packed
+reads for blocks of 4 rows: at 2 to 32 rows the head took 0.6-0.8x the time of oneDNN on the
+plain layout and a fifth to a quarter of MKL's, and the layer products gain too
+(docs/benchmarks.md, "The floor of a step"). The packed
 kernel has one weak spot, 1 to 3 rows: one row takes the plain layout (the fastest there), two or
 three are padded with zero rows to four.
 
-The logits are the same sums in another order (differences ~1e-6, inside the tolerance every HF
+Only large matrices are packed (MIN_PACKED_WEIGHTS). The logits are the same sums in another order (differences ~1e-6, inside the tolerance every HF
 comparison uses). Engine-only, on a CPU in float32 where oneDNN is built in and the product
 checks out on a probe; elsewhere (CUDA, bf16, a torch without these ops) the model keeps its
 `nn.Linear`s. The packed copy costs one more copy of every matrix (the dense weight stays: the
@@ -28,6 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_ROWS = 4  # the row block the packed layout is chosen for; fewer rows are padded up to it
+# Smaller matrices stay on nn.Linear: oneDNN builds a kernel for each new row count it meets (about
+# a millisecond), which a server's ever-changing steps keep paying, and a small product has little
+# to gain. 2**21 weights (8 MB): Qwen3-0.6B's q, o, MLP and head; none of the embedded model's.
+MIN_PACKED_WEIGHTS = 1 << 21
 
 
 def onednn_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -76,11 +81,12 @@ def packing_works() -> bool:
 
 def can_pack(linear: nn.Linear) -> bool:
     w = linear.weight
-    return w.device.type == "cpu" and w.dtype == torch.float32 and linear.bias is None and packing_works()
+    return (w.device.type == "cpu" and w.dtype == torch.float32 and linear.bias is None
+            and w.numel() >= MIN_PACKED_WEIGHTS and packing_works())
 
 
 def use_packed_linears(model):
-    """Swap every `nn.Linear` of the model (each layer's and the head) for a PackedLinear where it applies."""
+    """Swap each `nn.Linear` of the model (the layers' and the head) for a PackedLinear where it applies."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and can_pack(child):

@@ -15,6 +15,7 @@ from harness.benchmark import Machine, ModelCost, StepShape, padded_batch_steps,
 from helpers import hf_ids, load_script, random_prompt
 from l1_contiguous import load_config
 from l5_eviction import WorkItem, load_engine_model, make_engine
+from l5_eviction import fast_linear
 from l5_eviction.fast_linear import PACKED_ROWS, PackedLinear
 
 pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
@@ -65,11 +66,21 @@ def test_recorded_steps_cover_every_token_and_leave_the_ids_as_hf(tiny_model_dir
     assert sum(shape.logit_rows for shape, _ in log) == 3 * 3
 
 
-def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model):
+def test_only_large_matrices_are_packed(make_model):
+    if not fast_linear.packing_works():
+        pytest.skip("this torch has no oneDNN packed product: the engine keeps nn.Linear")
+    # a head of 2**21 weights (vocabulary 8192 x hidden 256) and layer matrices far smaller
+    model = load_engine_model(make_model(seed=5, vocab_size=8192, hidden_size=256))
+    packed = {name for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert packed == {"lm_head"} and model.lm_head.weight.numel() == fast_linear.MIN_PACKED_WEIGHTS
+
+
+def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model, monkeypatch):
+    if not fast_linear.packing_works():
+        pytest.skip("this torch has no oneDNN packed product: the engine keeps nn.Linear")
+    monkeypatch.setattr(fast_linear, "MIN_PACKED_WEIGHTS", 0)  # pack the small test model's matrices too
     path = make_model(seed=4, tie_word_embeddings=True)
     fast, plain = load_engine_model(path), load_engine_model(path, packed_linears=False)
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch has no oneDNN: the engine keeps nn.Linear")
     pairs = [(f, p) for f, p in zip(fast.modules(), plain.modules()) if isinstance(p, nn.Linear)]
     assert pairs and all(isinstance(f, PackedLinear) for f, _ in pairs)  # every layer's products and the head
     assert fast.lm_head.weight is fast.model.embed_tokens.weight  # still tied, still the model's dtype/device
