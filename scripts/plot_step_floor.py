@@ -5,8 +5,9 @@ On a random model with Qwen3-0.6B's shapes (--layers of its 28; made in-process,
 downloaded), the L5 engine's forward runs decode steps of 1 to 64 requests (each with --context
 tokens cached) and prefill chunks of 128 and 256 rows, twice per round: with its large matrix
 products (2**21 weights or more: q, o, the MLP and the head) on oneDNN's packed weights
-(l5_eviction/fast_linear.py, the default) and with `nn.Linear` (before). Rounds alternate the two, best of --repeat kept. Each step's floor is max(bytes / bandwidth, FLOPs /
-matmul rate), with the constants measured in the same run (harness.benchmark.measure_machine).
+(l5_eviction/fast_linear.py, the default) and with `nn.Linear` (before). Rounds alternate the
+two, best of --repeat kept. Each step's floor is max(bytes / bandwidth, FLOPs / matmul rate),
+with the constants measured in the same run (harness.benchmark.measure_machine).
 Prints the table and draws docs/img/l5_step_floor.png (--plot PATH to change, --no-plot to skip).
 
     python scripts/plot_step_floor.py                  # 4 layers, about 5 minutes on 2 quiet cores
@@ -76,7 +77,7 @@ class StepBench:
 
 
 def linear_sets(model) -> dict:
-    """{"packed oneDNN": ..., "nn.Linear": ...}: each a list of (parent, name, module) covering every product."""
+    """{"packed oneDNN": ..., "nn.Linear": ...}: each a list of (parent, name, module), one per packed product."""
     slots = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, PackedLinear)]
     plain = []
