@@ -16,7 +16,7 @@ import argparse
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -411,7 +411,7 @@ class StepShape:
     """What one forward computes: enough to count its bytes and FLOPs."""
 
     rows: int  # tokens run through every layer
-    logit_rows: int  # rows the output head runs on (one per request)
+    logit_rows: int  # rows the output head runs on (one per request; k + 1 for one verifying k proposals)
     keys: int  # attention: the sum over rows of the keys each row reads
     kv_tokens: int  # tokens whose K/V the step reads or writes (each once)
 
@@ -504,18 +504,35 @@ class ModelCost:
         return sum(self.floor_s(s, machine) for s in steps)
 
 
-def record_steps(engine) -> list[list]:
-    """Make a course engine log [StepShape, seconds] for each step it runs (in the returned list).
-
-    Its runner's `forward_logits` is wrapped to note the step's shape, and `step` to time the whole
-    step (scheduling and sampling included); the engine's behaviour is unchanged.
-    """
-    log: list[list] = []
-    forward, step = engine.runner.forward_logits, engine.step
+def record_forwards(runner, log: list | None = None) -> list[list]:
+    """Make a runner log [StepShape, None] for each forward it runs (in the returned list): its rows,
+    keys, and the rows whose logits it computes (one per request, all k + 1 of a request that
+    verifies proposals in L10). Its `forward_logits` and `logits_rows` are wrapped; what they
+    compute is unchanged."""
+    log = [] if log is None else log
+    forward, pick = runner.forward_logits, runner.logits_rows
 
     def forward_logits(reqs, num_new):
         log.append([StepShape.of_requests([(r.cur_len, n) for r, n in zip(reqs, num_new)]), None])
         return forward(reqs, num_new)
+
+    def logits_rows(reqs, meta):
+        rows = pick(reqs, meta)
+        log[-1][0] = replace(log[-1][0], logit_rows=len(rows))
+        return rows
+
+    runner.forward_logits, runner.logits_rows = forward_logits, logits_rows
+    return log
+
+
+def record_steps(engine) -> list[list]:
+    """Make a course engine log [StepShape, seconds] for each step it runs (in the returned list).
+
+    Its runner's forwards are recorded (`record_forwards`), and `step` is wrapped to time the whole
+    step (scheduling and sampling included); the engine's behaviour is unchanged.
+    """
+    log = record_forwards(engine.runner)
+    step = engine.step
 
     def timed_step():
         start = time.perf_counter()
@@ -525,5 +542,5 @@ def record_steps(engine) -> list[list]:
             log[-1][1] = time.perf_counter() - start
         return record
 
-    engine.runner.forward_logits, engine.step = forward_logits, timed_step
+    engine.step = timed_step
     return log

@@ -16,6 +16,10 @@ model exists for it): near-zero acceptance, what failed guesses cost.
 Every system runs once untimed, then --repeat rounds in turns (alternating, so load coming and
 going hits all alike); the best round is reported. `forwards/token` counts the target's forwards
 each generated token waited for (1.0 for plain decoding; HF's are counted with a forward hook).
+`floor ms` is the sum over a system's forwards of max(bytes / bandwidth, FLOPs / matmul rate), the
+constants measured in the same run (harness.benchmark): ours recorded as they run (the target's
+forwards, a verify's head on all its k + 1 rows, and the draft model's own), HF greedy's counted
+from its padded shape; HF's speculative runs are not visible ("n/a").
 
     python scripts/bench_l10.py                                 # everything (several minutes on CPU)
     python scripts/bench_l10.py --markdown docs/benchmarks.md   # rewrite its section there
@@ -34,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (bench_command, hf_generate, load_average, machine_line,  # noqa: E402
-                               markdown_table, print_table, replace_section)
+from harness.benchmark import (ModelCost, bench_command, best_of, hf_generate, load_average,  # noqa: E402
+                               machine_line, markdown_table, measure_machine, padded_batch_steps, print_table,
+                               record_forwards, replace_section)
 from harness.smoke import DEFAULT_MODEL, load_tokenizer  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
@@ -46,7 +51,8 @@ from l10_speculative import DraftModelDrafter, PromptLookupDrafter, make_spec_en
 DRAFT_MODEL = DEFAULT_MODEL.parent / "tiny-qwen3-kjv-draft"
 PROMPTS = ["And the LORD spake unto Moses, saying", "In the beginning God created the heaven and the earth.",
            "Blessed are the", "Thus saith the LORD"]
-COLUMNS = ["workload", "system", "tokens/s", "speed-up", "forwards/token", "acceptance", "ids = HF greedy"]
+COLUMNS = ["workload", "system", "tokens/s", "speed-up", "forwards/token", "acceptance", "floor ms", "% of floor",
+           "ids = HF greedy"]
 
 
 def parse_args(argv=None):
@@ -75,12 +81,16 @@ def ours(model, drafter_fn, k: int, block_size: int = 16):
         else:
             engine = make_spec_engine(model, num_blocks, block_size, drafter=drafter_fn(num_blocks), k=k)
         engine.eos_ids = set()  # as HF's runs: exactly max_new tokens each
+        steps = {"target": record_forwards(engine.runner), "draft": []}
+        if isinstance(getattr(engine, "drafter", None), DraftModelDrafter):
+            steps["draft"] = record_forwards(engine.drafter.runner)
         requests = engine.run(items)
         ids = [requests[i].output_ids for i in range(len(prompts))]
+        steps = {name: [shape for shape, _ in log] for name, log in steps.items()}
         if drafter_fn is None:
-            return ids, {"forwards/token": 1.0, "acceptance": None}
+            return ids, {"forwards/token": 1.0, "acceptance": None, "steps": steps}
         s = engine.summary()
-        return ids, {"forwards/token": s["forwards_per_token"], "acceptance": s["acceptance_rate"]}
+        return ids, {"forwards/token": s["forwards_per_token"], "acceptance": s["acceptance_rate"], "steps": steps}
     return run
 
 
@@ -96,8 +106,10 @@ def hf_system(hf_model, batched: bool, **generate_kwargs):
             ids = hf_generate(hf_model, prompts, max_new, batched=batched)
         calls = counter["calls"] - start
         per_token = calls / max_new / (1 if batched else len(prompts))
+        steps = None if generate_kwargs else {"target": padded_batch_steps([len(p) for p in prompts], max_new),
+                                              "draft": []}
         return ids, {"forwards/token": per_token if not generate_kwargs else calls / (max_new * len(prompts)),
-                     "acceptance": None}
+                     "acceptance": None, "steps": steps}
     return run, counter
 
 
@@ -117,7 +129,8 @@ def time_rounds(systems: dict, prompts, max_new, repeat: int, one_by_one: bool) 
         if not one_by_one:
             return run(prompts, max_new)
         results = [run([p], max_new) for p in prompts]
-        stats = {key: _mean([r[1][key] for r in results]) for key in results[0][1]}
+        stats = {key: _mean([r[1][key] for r in results]) for key in ("forwards/token", "acceptance")}
+        stats["steps"] = _joined([r[1]["steps"] for r in results])
         return [r[0][0] for r in results], stats
 
     best = {}
@@ -137,14 +150,37 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
-def rows_for(label, best, reference_ids, tokens):
+def _joined(step_logs: list):
+    """The forwards of runs one after the other; None if any run's are not visible."""
+    if any(log is None for log in step_logs):
+        return None
+    return {name: [shape for log in step_logs for shape in log[name]] for name in ("target", "draft")}
+
+
+def floor_s(steps, costs: dict, machine):
+    if steps is None:
+        return None
+    return sum(costs[name].run_floor_s(shapes, machine) for name, shapes in steps.items() if shapes)
+
+
+def rows_for(label, best, reference_ids, tokens, costs: dict, machine):
+    """One row per system; "machine" (not a column) carries the constants its floor used."""
     base = best["HF greedy"][0]
     rows = []
     for name, (seconds, ids, stats) in best.items():
+        floor = floor_s(stats["steps"], costs, machine)
         rows.append({"workload": label, "system": name, "tokens/s": tokens / seconds, "speed-up": base / seconds,
                      "forwards/token": stats["forwards/token"], "acceptance": stats["acceptance"],
-                     "ids = HF greedy": "yes" if ids == reference_ids else "NO"})
+                     "floor ms": None if floor is None else 1e3 * floor,
+                     "% of floor": None if floor is None else 100 * floor / seconds,
+                     "ids = HF greedy": "yes" if ids == reference_ids else "NO", "machine": machine.line()})
     return rows
+
+
+def costs_of(model, draft=None) -> dict:
+    itemsize = model.dtype.itemsize
+    return {"target": ModelCost.of(model.config, itemsize),
+            "draft": ModelCost.of((draft or model).config, itemsize)}
 
 
 def bench_embedded(args) -> list[dict]:
@@ -164,15 +200,18 @@ def bench_embedded(args) -> list[dict]:
         "L10 draft model": ours(model, lambda nb: DraftModelDrafter(draft, nb + 8), args.k),
     }
     reference = hf_generate(hf_model, prompts, n)
-    rows = rows_for("embedded, batch 1", time_rounds(systems, prompts, n, args.repeat, True), reference,
-                    n * len(prompts))
-    print_table(rows, COLUMNS, floatfmt=".2f")
+    costs, before = costs_of(model, draft), measure_machine(model.config)
+    timings = time_rounds(systems, prompts, n, args.repeat, True)
     batch = [prompts[i % len(prompts)][:2 + i % 7] for i in range(args.batch)]  # mixed lengths, some shared
     batch_systems = {"HF greedy": hf_system(hf_model, batched=True)[0],
                      **{name: systems[name] for name in ("L8 plain", "L10 prompt lookup", "L10 draft model")}}
+    batch_timings = time_rounds(batch_systems, batch, n, args.repeat, False)
+    machine = best_of(before, measure_machine(model.config))
+    print(f"this machine: {machine.line()}")
+    rows = rows_for("embedded, batch 1", timings, reference, n * len(prompts), costs, machine)
+    print_table(rows, COLUMNS, floatfmt=".2f")
     reference = hf_generate(hf_model, batch, n)
-    batch_rows = rows_for(f"embedded, batch {args.batch}", time_rounds(batch_systems, batch, n, args.repeat, False),
-                          reference, n * len(batch))
+    batch_rows = rows_for(f"embedded, batch {args.batch}", batch_timings, reference, n * len(batch), costs, machine)
     print_table(batch_rows, COLUMNS, floatfmt=".2f")
     return rows + batch_rows
 
@@ -193,8 +232,12 @@ def bench_06b(args) -> list[dict]:
                    "L8 plain": ours(model, None, args.k),
                    "L10 prompt lookup": ours(model, lambda nb: PromptLookupDrafter(), args.k)}
         reference = hf_generate(hf_model, prompts, n)
-        rows = rows_for(f"0.6B shape, {args.layers_06b} layers, batch 1",
-                        time_rounds(systems, prompts, n, args.repeat, True), reference, n)
+        before = measure_machine(model.config)
+        timings = time_rounds(systems, prompts, n, args.repeat, True)
+        machine = best_of(before, measure_machine(model.config))
+        print(f"this machine: {machine.line()}")
+        rows = rows_for(f"0.6B shape, {args.layers_06b} layers, batch 1", timings, reference, n,
+                        costs_of(model), machine)
     print_table(rows, COLUMNS, floatfmt=".2f")
     return rows
 
@@ -213,8 +256,12 @@ def main(argv=None) -> int:
         text = (f"## L10: speculative decoding, and HF's prompt lookup and assistant model\n\n{machine_line(args.threads, load_at_start)}\n\n"
                 f"`{bench_command('bench_l10.py', sys.argv[1:] if argv is None else argv)}`: "
                 f"{args.max_new_tokens} new tokens per request (0.6B shape: {args.new_06b}), k = {args.k}, "
-                f"best of {args.repeat} alternating rounds. Speed-up is over HF greedy in the same workload.\n\n"
-                + markdown_table(rows, COLUMNS))
+                f"best of {args.repeat} alternating rounds. Speed-up is over HF greedy in the same workload. "
+                "Floor: the sum over a system's forwards of max(bytes / bandwidth, FLOPs / matmul rate) (ours as "
+                "recorded, the draft model's included; HF greedy's from its padded shape; HF's speculative runs "
+                "are not visible), with "
+                + "; ".join(sorted({f"{r['machine']} ({r['workload'].split(',')[0]})" for r in rows}))
+                + ", measured in the same run.\n\n" + markdown_table(rows, COLUMNS))
         replace_section(args.markdown, "bench_l10", text)
     return 0 if all(r["ids = HF greedy"] == "yes" for r in rows) else 1
 

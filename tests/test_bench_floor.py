@@ -11,10 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from harness.benchmark import Machine, ModelCost, StepShape, padded_batch_steps, record_steps
+from harness.benchmark import Machine, ModelCost, StepShape, padded_batch_steps, record_forwards, record_steps
 from helpers import hf_ids, load_script, random_prompt
 from l1_contiguous import load_config
 from l5_eviction import WorkItem, load_engine_model, make_engine
+from l8_prefix import SampledWorkItem
+from l10_speculative import PromptLookupDrafter, make_spec_engine
 from l5_eviction import fast_linear
 from l5_eviction.fast_linear import PACKED_ROWS, PackedLinear
 
@@ -106,3 +108,28 @@ def test_bench_l5_prints_a_floor_for_every_system(tmp_path, tiny_model_dir):
     steps = model["l5_steps"]
     assert sum(s["rows"] for s in steps) == sum(p + n - 1 for p, n in model["lengths"])
     assert {k["kind"] for k in model["step_kinds"]} == {"decode only", "with prefill"}
+
+
+def test_record_forwards_counts_every_row_a_verify_reads_logits_for(embedded_model_dir):
+    model = load_engine_model(embedded_model_dir)
+    prompt = random_prompt(12, 512, seed=1) * 3  # repeats: prompt lookup proposes
+    engine = make_spec_engine(model, 64, 16, drafter=PromptLookupDrafter(), k=3)
+    engine.eos_ids = set()
+    log = record_forwards(engine.runner)
+    engine.run([SampledWorkItem(prompt, 20), SampledWorkItem(prompt[:9], 12)])
+    assert engine.spec.proposed > 0 and len(log) == engine.spec.forwards
+    # one logit row per request per forward (each produced tokens here), plus one per proposal verified
+    assert sum(shape.logit_rows for shape, _ in log) == engine.spec.token_steps + engine.spec.proposed
+
+
+def test_bench_l10_gives_a_floor_to_every_system_whose_forwards_it_sees(tmp_path):
+    bench = load_script("bench_l10")
+    out = tmp_path / "b.json"
+    assert bench.main(["--max-new-tokens", "4", "--repeat", "1", "--batch", "2", "--skip-0.6b", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    floor = {(r["workload"], r["system"]): r["floor ms"] for r in rows}
+    hidden = {s for (_, s), f in floor.items() if f is None}
+    assert hidden == {"HF prompt lookup", "HF assistant (draft)"}  # HF's speculative steps are not visible
+    assert all(f > 0 for f in floor.values() if f is not None)
+    # one request at a time, plain decoding does exactly HF greedy's forwards: recorded = counted
+    assert floor["embedded, batch 1", "L8 plain"] == pytest.approx(floor["embedded, batch 1", "HF greedy"])
