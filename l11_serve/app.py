@@ -215,4 +215,3 @@ async def _whole(request: Request, steps, head: dict, params: CompletionParams, 
                                  "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
             "usage": _usage(params, choices)}
     return JSONResponse(body)
-

@@ -178,9 +178,12 @@ def rows_for(label, best, reference_ids, tokens, costs: dict, machine):
 
 
 def costs_of(model, draft=None) -> dict:
+    """The bytes and FLOPs of a forward of the target (and of the draft model, if there is one)."""
     itemsize = model.dtype.itemsize
-    return {"target": ModelCost.of(model.config, itemsize),
-            "draft": ModelCost.of((draft or model).config, itemsize)}
+    costs = {"target": ModelCost.of(model.config, itemsize)}
+    if draft is not None:
+        costs["draft"] = ModelCost.of(draft.config, itemsize)
+    return costs
 
 
 def bench_embedded(args) -> list[dict]:
