@@ -29,7 +29,7 @@ def build_server(model_dir: str | Path, num_blocks: int = 512, block_size: int =
         raise InputError(f"{model_dir} has no config.json; pass --model with an HF-format model folder")
     model = load_engine_model(model_dir, dtype or torch.float32, device)
     engine = make_serve_engine(model, num_blocks, block_size, prefix_sharing=prefix_sharing,
-                               backend=engine_backend(device), **engine_kwargs)
+                               backend=engine_backend(device, model.dtype), **engine_kwargs)
     tokenizer = load_tokenizer(model_dir)
     loop = EngineLoop(engine)
     app = create_app(loop, tokenizer, ServerConfig(model_name=model_dir.name, max_waiting=max_waiting))

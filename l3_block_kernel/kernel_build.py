@@ -1,10 +1,12 @@
-"""Building csrc/paged_attention.cu two ways: for the GPU with nvcc, and for the CPU emulation.
+"""Building csrc/paged_attention.cu two ways (for the GPU with nvcc, and for the CPU emulation),
+and csrc/paged_attention_cpu.cpp, the same algorithm written for a CPU's cores.
 
 - `load_extension()`: torch's cpp_extension (nvcc + ninja) builds binding.cpp and the kernel for
   the current GPU's architecture; the build directory is keyed by that architecture.
 - `load_emulation()`: the host C++ compiler builds the same kernel source against
   csrc/cuda_emulation.h (no CUDA toolkit) into a shared library, cached under a directory keyed
   by the sources' hash, and called through ctypes.
+- `load_cpu_kernel()`: the host C++ compiler builds paged_attention_cpu.cpp the same way.
 
 Each build runs at most once per process: a failure is remembered and raised again, one line,
 without rebuilding (an engine would otherwise retry a minute-long build on every decode step).
@@ -19,6 +21,8 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +41,9 @@ EXTENSION_NAME = "l3_paged_attention"
 # the fortified longjmp refuses.
 EMULATION_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing",
                    "-U_FORTIFY_SOURCE", "-Wall", "-Wno-unknown-pragmas")
+CPU_KERNEL_SOURCE = CSRC_DIR / "paged_attention_cpu.cpp"
+# -O3 for the vectoriser; no -march=native: the cache may be shared by machines of different CPUs.
+CPU_KERNEL_FLAGS = ("-std=c++17", "-O3", "-shared", "-fPIC", "-pthread", "-Wall")
 
 
 class BuildOnce:
@@ -126,7 +133,28 @@ torch keeps the build under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensi
 only when a source changes, so a later process loads it in about a second."""
 
 
-# ---------------------------------------------------------------- the CPU emulation
+# ---------------------------------------------------------------- libraries built by the host compiler
+
+
+@dataclass(frozen=True)
+class HostBuild:
+    """A shared library the host C++ compiler builds from csrc, cached under a folder keyed by the
+    hash of the compiler, the flags and the sources, and called through ctypes."""
+
+    what: str                    # for messages: "the CPU emulation of the L3 kernel"
+    backend: str                 # the paged_attention backend it serves
+    standard: str                # the C++ standard the sources need, for messages
+    flags: tuple[str, ...]
+    sources: tuple[Path, ...]    # every file whose bytes go into the cache key
+    inputs: tuple[str, ...]      # the compiler's include and source arguments
+    filename: str
+    bind: Callable[[ctypes.CDLL], ctypes.CDLL]
+
+    def library(self, compiler: str) -> Path:
+        digest = hashlib.sha256(" ".join((compiler, *self.flags)).encode())
+        for path in self.sources:
+            digest.update(path.read_bytes())
+        return host_cache_dir() / f"{Path(self.filename).stem}-{digest.hexdigest()[:16]}" / self.filename
 
 
 def host_compiler() -> str | None:
@@ -134,64 +162,49 @@ def host_compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
 
 
-def emulation_sources() -> list[Path]:
-    return [KERNEL_SOURCE, CSRC_DIR / "paged_attention.h", EMULATION_HEADER, EMULATION_BINDING,
-            *sorted(EMULATION_SHIMS.glob("*.h"))]
-
-
-def emulation_cache_dir() -> Path:
+def host_cache_dir() -> Path:
     """$L3_EMULATION_CACHE, else $XDG_CACHE_HOME/l3_block_kernel, else ~/.cache/l3_block_kernel."""
     if os.environ.get("L3_EMULATION_CACHE"):
         return Path(os.environ["L3_EMULATION_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "l3_block_kernel"
 
 
-def emulation_library(compiler: str) -> Path:
-    """Where the library built by `compiler` from the current sources is cached (keyed by their hash)."""
-    digest = hashlib.sha256(" ".join((compiler, *EMULATION_FLAGS)).encode())
-    for path in emulation_sources():
-        digest.update(path.read_bytes())
-    return emulation_cache_dir() / f"emulated-{digest.hexdigest()[:16]}" / "paged_attention_emulated.so"
-
-
-def _build_emulation() -> ctypes.CDLL:
+def _build_host(build: HostBuild) -> ctypes.CDLL:
     compiler = host_compiler()
     if compiler is None:
-        raise InputError("backend='emulated' needs a C++20 compiler: install g++ or clang++ (or set CXX)")
-    library = emulation_library(compiler)
+        raise InputError(f"backend={build.backend!r} needs a {build.standard} compiler: install g++ or clang++ "
+                         "(or set CXX)")
+    library = build.library(compiler)
     if library.exists():
         try:
-            return _bind(ctypes.CDLL(str(library)))
+            return build.bind(ctypes.CDLL(str(library)))
         except (OSError, AttributeError):  # a cut or corrupt file (a full disk, a killed copy): rebuild it
             pass
-    _compile_emulation(compiler, library)
-    return _bind(ctypes.CDLL(str(library)))
-
-
-def _compile_emulation(compiler: str, library: Path) -> None:
     try:
-        _compile_into(compiler, library)
+        _compile_into(build, compiler, library)
     except OSError as exc:  # the cache folder cannot be written: permissions, a full disk, read-only
-        raise InputError(f"cannot write the L3 emulation cache {library.parent} ({exc.strerror or exc}); "
+        raise InputError(f"cannot write the L3 build cache {library.parent} ({exc.strerror or exc}); "
                          f"set L3_EMULATION_CACHE to a writable folder") from None
+    return build.bind(ctypes.CDLL(str(library)))
 
 
-def _compile_into(compiler: str, library: Path) -> None:
+def _compile_into(build: HostBuild, compiler: str, library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     # Compile to a temporary name, then rename: two processes building at once never load half a file.
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         partial = Path(tmp) / library.name
-        command = [compiler, *EMULATION_FLAGS, f"-I{EMULATION_SHIMS}", f"-I{CSRC_DIR}",
-                   "-x", "c++", str(KERNEL_SOURCE), "-x", "c++", str(EMULATION_BINDING), "-o", str(partial)]
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = subprocess.run([compiler, *build.flags, *build.inputs, "-o", str(partial)],
+                                capture_output=True, text=True)
         if result.returncode != 0:
             first = next((line for line in result.stderr.splitlines() if "error" in line), result.stderr.strip())
-            raise InputError(f"cannot build the CPU emulation of the L3 kernel with {compiler} "
-                             f"(it needs C++20): {first[:300]}")
+            raise InputError(f"cannot build {build.what} with {compiler} (it needs {build.standard}): {first[:300]}")
         os.replace(partial, library)
 
 
-def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+# ---------------------------------------------------------------- the CPU emulation of the kernel
+
+
+def _bind_emulation(library: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     fn = library.l3_emulated_paged_attention
     fn.restype = ctypes.c_char_p
@@ -201,5 +214,31 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
-load_emulation = BuildOnce(_build_emulation)
+EMULATION_BUILD = HostBuild(
+    what="the CPU emulation of the L3 kernel", backend="emulated", standard="C++20", flags=EMULATION_FLAGS,
+    sources=(KERNEL_SOURCE, CSRC_DIR / "paged_attention.h", EMULATION_HEADER, EMULATION_BINDING,
+             *sorted(EMULATION_SHIMS.glob("*.h"))),
+    inputs=(f"-I{EMULATION_SHIMS}", f"-I{CSRC_DIR}", "-x", "c++", str(KERNEL_SOURCE), "-x", "c++", str(EMULATION_BINDING)),
+    filename="paged_attention_emulated.so", bind=_bind_emulation)
+
+load_emulation = BuildOnce(lambda: _build_host(EMULATION_BUILD))
 load_emulation.__doc__ = """Builds the kernel's CPU emulation on first use (~15 s), then returns the ctypes library."""
+
+
+# ---------------------------------------------------------------- the kernel's algorithm for a CPU
+
+
+def _bind_cpu_kernel(library: ctypes.CDLL) -> ctypes.CDLL:
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    fn = library.l3_cpu_paged_attention
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = [ptr] * 6 + [i32] * 7 + [ctypes.c_float, i32]
+    return library
+
+
+CPU_KERNEL_BUILD = HostBuild(
+    what="the L3 CPU kernel", backend="cpu", standard="C++17", flags=CPU_KERNEL_FLAGS, sources=(CPU_KERNEL_SOURCE,),
+    inputs=("-x", "c++", str(CPU_KERNEL_SOURCE)), filename="paged_attention_cpu.so", bind=_bind_cpu_kernel)
+
+load_cpu_kernel = BuildOnce(lambda: _build_host(CPU_KERNEL_BUILD))
+load_cpu_kernel.__doc__ = """Builds csrc/paged_attention_cpu.cpp on first use (~1 s), then returns the ctypes library."""

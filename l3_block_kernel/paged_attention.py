@@ -10,13 +10,15 @@
     with block_size 16, position 17 of seq 0 is row 17 % 16 = 1 of block 0 = block_tables[0, 17 // 16],
     i.e. slot 0 * 16 + 1 of the flat view [num_blocks * block_size, H_kv, D] that L2's writes use.
 
-One algorithm, two implementations, and a CPU stand-in:
+One algorithm, three implementations, and a stand-in:
 - `paged_attention_reference`: PyTorch, runs anywhere; the oracle for the kernel.
 - the CUDA kernel in csrc/paged_attention.cu, built on first use by `load_extension()`; the same
   source also runs on a CPU under csrc/cuda_emulation.h (backend "emulated", `load_emulation()`).
+- csrc/paged_attention_cpu.cpp (backend "cpu", `load_cpu_kernel()`): the same walk written for a
+  CPU's cores, float32; what L5's and L8's engines decode with on a CPU.
 - `paged_attention_gather`: copies each sequence's blocks into a padded batch and calls SDPA once.
-  The same result, by the copy the kernel exists to avoid; on a CPU that copy costs less than the
-  reference's Python loop over blocks, so engines that care about speed use it there (L5).
+  The same result, by the copy the kernel exists to avoid; the engines' CPU fallback when no C++
+  compiler is at hand (still faster there than the reference's Python loop over blocks).
 `paged_attention` checks the inputs and picks one.
 """
 
@@ -29,13 +31,13 @@ import torch.nn.functional as F
 
 from l1_contiguous.errors import InputError
 
-from .kernel_build import CSRC_DIR, KERNEL_SOURCE, load_emulation, load_extension  # noqa: F401
+from .kernel_build import CSRC_DIR, KERNEL_SOURCE, load_cpu_kernel, load_emulation, load_extension  # noqa: F401
 
 KERNEL_HEAD_DIMS = (32, 64, 128)
 KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KvDtype in paged_attention.h
-BACKENDS = ("auto", "kernel", "emulated", "gather", "reference")
+BACKENDS = ("auto", "kernel", "emulated", "cpu", "gather", "reference")
 # Split-K (flash-decoding). Below SPLIT_K_MIN_BLOCKS single-pass thread blocks a GPU has idle SMs
 # (an H100 has 132, each can hold 2 of these blocks); a context of at least two partitions then
 # gains more from spreading its positions over several blocks than the merge costs.
@@ -55,17 +57,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns [num_seqs, H, D] in q's dtype. scale defaults to 1 / sqrt(D).
 
     backend: "kernel" (CUDA), "emulated" (the kernel's own code on a CPU, csrc/cuda_emulation.h),
-    "reference" (PyTorch), "gather" (PyTorch, fast on CPU), or "auto": the kernel when q is on
-    CUDA, the kernel supports the shapes and it builds, else the reference (saying why, once).
+    "cpu" (the algorithm in C++ for a CPU, float32), "reference" (PyTorch), "gather" (PyTorch),
+    or "auto": the kernel when q is on CUDA, the kernel supports the shapes and it builds, else
+    the reference (saying why, once).
     check_values: also check every length and every block id a sequence uses. On CUDA this reads
     the tables back to the host (a sync), so a hot loop whose tables were built and checked on
-    the host passes False. The emulated backend always checks: a bad id would crash the process.
+    the host passes False. The emulated and cpu backends always check (in C++ for cpu, at no
+    measurable cost): a bad id would crash the process.
     split_k, partition_size: kernel and emulated only. None lets `use_split_k` decide; True or
     False forces split-K (partitions of partition_size positions, a multiple of 8) or the single pass.
     """
     check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     backend = _pick_backend(backend, q, k_cache)
-    if check_values or backend == "emulated":
+    if backend == "emulated" or (check_values and backend != "cpu"):  # cpu checks them in C++
         check_table_values(k_cache, block_tables, context_lens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if q.shape[0] == 0:
@@ -78,6 +82,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         partition = _check_partition_size(partition_size) if split_k else 0
         run = load_extension().forward if backend == "kernel" else paged_attention_emulated
         return run(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, partition)
+    if backend == "cpu":
+        return paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
     if backend == "gather":
         return paged_attention_gather(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
@@ -164,6 +170,20 @@ def paged_attention_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = F.scaled_dot_product_attention(q[:, :, None, :], gather(k_cache), gather(v_cache),
                                          attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
     return out[:, :, 0]  # [S, H, D]
+
+
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """Runs csrc/paged_attention_cpu.cpp on torch's CPU threads. Inputs checked, float32, on the CPU."""
+    q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+    out = torch.empty_like(q)
+    num_seqs, num_heads, head_dim = q.shape
+    error = load_cpu_kernel().l3_cpu_paged_attention(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        block_tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads())
+    if error is not None:
+        raise InputError(error.decode())
+    return out
 
 
 def check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
@@ -298,8 +318,10 @@ def _pick_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
     if backend == "kernel" and not q.is_cuda:
         raise InputError(f"backend='kernel' needs CUDA tensors, got {q.device}; use backend='emulated' "
                          "(the kernel's code on the CPU) or 'reference'")
-    if backend == "emulated" and q.device.type != "cpu":
-        raise InputError(f"backend='emulated' runs on the CPU, got tensors on {q.device}; use backend='kernel'")
+    if backend in ("emulated", "cpu") and q.device.type != "cpu":
+        raise InputError(f"backend={backend!r} runs on the CPU, got tensors on {q.device}; use backend='kernel'")
+    if backend == "cpu" and q.dtype != torch.float32:
+        raise InputError(f"backend='cpu' runs float32, got {q.dtype}; use backend='gather' or 'reference'")
     if backend in ("kernel", "emulated") and reason is not None:
         raise InputError(f"backend={backend!r} cannot run this call: {reason}; use backend='reference'")
     return backend

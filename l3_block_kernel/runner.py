@@ -19,7 +19,7 @@ def load_block_model(model_dir: str | Path, dtype=torch.float32, device="cpu"):
 
 
 # What a smoke script or an engine may ask for by name ("auto" is the library's own default).
-DECODE_BACKENDS = ("kernel", "emulated", "gather", "reference")
+DECODE_BACKENDS = ("kernel", "emulated", "cpu", "gather", "reference")
 
 
 def default_backend(device) -> str:
@@ -32,8 +32,8 @@ def check_backend_device(backend: str, device) -> None:
     if backend == "kernel" and kind != "cuda":
         raise InputError("--backend kernel runs on CUDA only; add --device cuda, or use --backend emulated "
                          "(the kernel's code on the CPU) or reference")
-    if backend == "emulated" and kind != "cpu":
-        raise InputError("--backend emulated runs the kernel's code on the CPU; drop --device cuda or use --backend kernel")
+    if backend in ("emulated", "cpu") and kind != "cpu":
+        raise InputError(f"--backend {backend} runs on the CPU; drop --device cuda or use --backend kernel")
 
 
 class BlockTableRunner(PagedRunner):

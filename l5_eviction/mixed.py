@@ -13,6 +13,8 @@ step instead of once per forward. The two halves reuse L3's metadata and L3's `k
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import torch
 from l1_contiguous import InputError
 from l2_paged import load_paged_model
 from l3_block_kernel import BlockForwardMeta, BlockTableAttention, BlockTableRunner, build_block_meta
+from l3_block_kernel.kernel_build import load_cpu_kernel
 
 from .fast_linear import use_packed_linears
 
@@ -88,13 +91,29 @@ def load_engine_model(model_dir: str | Path, dtype=torch.float32, device="cpu", 
     return use_packed_linears(model) if packed_linears else model
 
 
-def engine_backend(device) -> str:
-    """The decode path an engine uses by default: the kernel on CUDA, L3's gather backend on CPU.
+def engine_backend(device, dtype: torch.dtype = torch.float32) -> str:
+    """The decode path an engine uses by default: the kernel on CUDA; on a CPU, L3's C++ walk of
+    the block tables ("cpu", float32), else L3's gather backend.
 
-    The reference walks blocks in a Python loop; it is the oracle, and slow. On a CPU, copying the
-    blocks into a padded batch for one SDPA call costs less (see docs/benchmarks.md, L5).
+    The reference walks blocks in a Python loop; it is the oracle, and slow. Without a C++
+    compiler (or in bfloat16), copying the blocks into a padded batch for one SDPA call costs
+    less (see docs/benchmarks.md, L5).
     """
-    return "kernel" if torch.device(device).type == "cuda" else "gather"
+    if torch.device(device).type == "cuda":
+        return "kernel"
+    if dtype != torch.float32:
+        return "gather"
+    try:
+        load_cpu_kernel()
+    except InputError as exc:
+        _say_once(f"the engine decodes with L3's gather backend: {exc}")
+        return "gather"
+    return "cpu"
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 class StepRunner(BlockTableRunner):
@@ -102,7 +121,7 @@ class StepRunner(BlockTableRunner):
 
     def __init__(self, model, pool, alloc, backend: str | None = None):
         check_engine_model(model)
-        super().__init__(model, pool, alloc, backend=backend or engine_backend(model.device))
+        super().__init__(model, pool, alloc, backend=backend or engine_backend(model.device, model.dtype))
 
     def build_meta(self, reqs, num_new):
         return build_step_meta(reqs, num_new, self.model.device, self.backend)

@@ -295,7 +295,7 @@ def main(argv=None) -> int:
         return 2
     if args.threads or device == "cpu":
         torch.set_num_threads(args.threads or 1)
-    backend = engine_backend(device)
+    backend = engine_backend(device, dtype)
     load_at_start = load_average()
     print(machine_line(torch.get_num_threads()))
     print(f"device {device} · dtype {str(dtype).removeprefix('torch.')} · backend {backend} · block_size "

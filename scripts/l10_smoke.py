@@ -85,7 +85,7 @@ def run(args, setup) -> LessonRun:
     need = [blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items for _ in range(w.n)]
     num_blocks = l5_smoke.checked_pool(args.num_blocks or sum(need), items, args.block_size)
     model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
-    backend = args.backend or engine_backend(setup.device)
+    backend = args.backend or engine_backend(setup.device, setup.dtype)
     check_backend_device(backend, setup.device)
     results, figures = [], {"k": args.k, "adaptive_k": not args.fixed_k, "block_size": args.block_size,
                             "prefix_sharing": args.prefix_sharing, "backend": backend}

@@ -83,7 +83,7 @@ def run(args, setup) -> LessonRun:
     check_options(args)
     items = workload(args, setup)
     model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
-    backend = args.backend or engine_backend(setup.device)
+    backend = args.backend or engine_backend(setup.device, setup.dtype)
     check_backend_device(backend, setup.device)
     engine = make_engine(model, pool_blocks(args, items), args.block_size, policy=args.policy,
                          preempt=args.preempt, prefill_chunk=args.prefill_chunk, backend=backend)

@@ -104,7 +104,7 @@ def run(args, setup) -> LessonRun:
     items = workload(args, setup)
     num_blocks = pool_blocks(args, items)
     model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
-    backend = args.backend or engine_backend(setup.device)
+    backend = args.backend or engine_backend(setup.device, setup.dtype)
     check_backend_device(backend, setup.device)
     engine = make_prefix_engine(model, num_blocks, args.block_size, prefix_sharing=args.prefix_sharing == "on",
                                 preempt=args.preempt, prefill_chunk=args.prefill_chunk, backend=backend)

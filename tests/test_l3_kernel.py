@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.l3]
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 GQA_GROUPS = (1, 2, 4, 8)
 MIXED_LENS = (17, 1, 1000, 16, 15)  # one past a block, one token, long, exactly a block, one short
+needs_compiler = pytest.mark.skipif(host_compiler() is None,
+                                    reason="backends 'emulated' and 'cpu' need a C++ compiler (g++ or clang++, or set CXX)")
 
 
 def make_case(lens, block_size, num_kv_heads=2, group=2, head_dim=64, dtype=torch.float32,
@@ -202,21 +204,72 @@ def _mutations():
     ]
 
 
+@pytest.mark.parametrize("backend", ["auto", pytest.param("cpu", marks=needs_compiler)])
 @pytest.mark.parametrize("name, mutate, message", _mutations(), ids=[m[0] for m in _mutations()])
-def test_bad_inputs_raise_one_line_value_errors(name, mutate, message):
+def test_bad_inputs_raise_one_line_value_errors(name, mutate, message, backend):
+    """The cpu backend checks lengths and block ids in C++, with the same messages."""
     case = mutate(make_case([5, 17, 30], 16))
     with pytest.raises(ValueError) as info:
-        paged_attention(*case)
+        paged_attention(*case, backend=backend)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
 def test_backend_choice_is_checked():
     case = make_case([5], 16)
-    with pytest.raises(ValueError, match="backend must be one of auto, kernel, emulated, gather, reference"):
+    with pytest.raises(ValueError, match="backend must be one of auto, kernel, emulated, cpu, gather, reference"):
         paged_attention(*case, backend="triton")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="backend='kernel' needs CUDA tensors, got cpu; use backend='emulated'"):
             paged_attention(*case, backend="kernel")
+
+
+# ---------------------------------------------------------------- the cpu backend (C++, the engines' CPU path)
+
+
+@needs_compiler
+@pytest.mark.parametrize("group", GQA_GROUPS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_cpu_backend_matches_naive(block_size, group):
+    case = make_case(MIXED_LENS, block_size, num_kv_heads=2, group=group)
+    out = paged_attention(*case, backend="cpu")
+    assert out.dtype == torch.float32 and out.shape == case[0].shape
+    torch.testing.assert_close(out.double(), naive_attention(*case), rtol=1e-4, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("head_dim", [8, 36, 128, 256])  # 36: not a multiple of the 8 partial sums
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("lens", [[1000], [17, 1, 1000, 16, 15], [5] * 9])  # one sequence: its heads split
+def test_cpu_backend_head_dims_threads_and_batch_shapes(head_dim, threads, lens):
+    case = make_case(lens, 16, num_kv_heads=8, group=2, head_dim=head_dim)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_attention(*case, backend="cpu", scale=0.3)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), naive_attention(*case, scale=0.3), rtol=1e-4, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("pad", [-1, 2**31 - 1])
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")])
+def test_cpu_backend_ignores_unused_slots_and_padding(fill, pad):
+    case = make_case(MIXED_LENS, 16, group=4, fill=fill, pad=pad)
+    out = paged_attention(*case, backend="cpu")
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.double(), naive_attention(*case), rtol=1e-4, atol=1e-5)
+
+
+@needs_compiler
+def test_cpu_backend_takes_float32_on_the_cpu_only():
+    case = make_case([5, 9], 16, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="backend='cpu' runs float32, got torch.bfloat16; use backend='gather'"):
+        paged_attention(*case, backend="cpu")
+    q, k, v, tables, lens = make_case([5, 9], 16)
+    out = paged_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, tables.t().contiguous().t(), lens,
+                          backend="cpu")  # strided q and tables are made contiguous first
+    torch.testing.assert_close(out.double(), naive_attention(q, k, v, tables, lens), rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------- the CUDA source, without a GPU
@@ -252,8 +305,6 @@ def test_kernel_compiles_for_every_supported_arch(tmp_path):
 
 # ---------------------------------------------------------------- the kernel's own code: emulated here, real on a GPU
 
-needs_compiler = pytest.mark.skipif(host_compiler() is None,
-                                    reason="backend 'emulated' needs a C++20 compiler (g++ or clang++, or set CXX)")
 KERNEL_BACKENDS = [pytest.param("emulated", marks=needs_compiler), pytest.param("kernel", marks=pytest.mark.gpu)]
 # split: False runs the single pass; a number forces split-K with partitions of that many
 # positions. 24 is one and a half 16-position blocks, so partitions end mid-block.

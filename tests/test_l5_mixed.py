@@ -8,6 +8,8 @@ a mixed batch is refused with a message that says how to load the right one.
 from __future__ import annotations
 
 import copy
+import importlib
+import warnings
 
 import pytest
 import torch
@@ -16,10 +18,12 @@ from helpers import random_prompt
 from l1_contiguous import InputError
 from l2_paged import BlockAllocator, Request, reserve
 from l3_block_kernel import BlockKvPool, BlockTableRunner, load_block_model
+from l3_block_kernel.kernel_build import host_compiler
 from l5_eviction import (MixedBatchMeta, StepRunner, WorkItem, build_step_meta, engine_backend, load_engine_model,
                          make_engine)
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, outputs, quarter_pool
 
+mixed = importlib.import_module("l5_eviction.mixed")
 pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
 
 
@@ -101,14 +105,28 @@ def test_every_step_is_one_forward(model, tiny_model_dir, monkeypatch):
 
 @pytest.mark.points(1)
 def test_engine_backends_agree(model):
-    assert engine_backend("cpu") == "gather" and engine_backend("cuda") == "kernel"
+    assert engine_backend("cuda") == "kernel" and engine_backend("cpu", torch.bfloat16) == "gather"
+    assert engine_backend("cpu") == ("cpu" if host_compiler() else "gather")
     runs = {}
-    for backend in ("gather", "reference"):
+    for backend in ("gather", "reference") + (("cpu",) if host_compiler() else ()):
         engine = make_engine(model, quarter_pool(WORKLOAD), BLOCK_SIZE, backend=backend)
         assert engine.runner.backend == backend
         engine.run(WORKLOAD)
         runs[backend] = outputs(engine)
-    assert runs["gather"] == runs["reference"]
+    assert all(run == runs["reference"] for run in runs.values())
+
+
+def test_without_a_cpu_kernel_the_engine_gathers_and_says_why_once(monkeypatch):
+    def no_compiler():
+        raise InputError("backend='cpu' needs a C++17 compiler: install g++ or clang++ (or set CXX)")
+
+    monkeypatch.setattr(mixed, "load_cpu_kernel", no_compiler)
+    mixed._say_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [engine_backend("cpu") for _ in range(3)] == ["gather"] * 3
+    mixed._say_once.cache_clear()
+    assert len(caught) == 1 and "decodes with L3's gather backend: backend='cpu' needs a C++17" in str(caught[0].message)
 
 
 @pytest.mark.points(1)

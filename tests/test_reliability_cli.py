@@ -217,7 +217,7 @@ def test_a_corrupt_cached_emulation_library_is_rebuilt(tmp_path, monkeypatch):
     if compiler is None:
         pytest.skip("needs a C++ compiler")
     monkeypatch.setenv("L3_EMULATION_CACHE", str(tmp_path))
-    library = kernel_build.emulation_library(compiler)
+    library = kernel_build.EMULATION_BUILD.library(compiler)
     library.parent.mkdir(parents=True)
     library.write_bytes(b"\x7fELF cut short")
     stand_in = tmp_path / "stand_in.c"
@@ -225,7 +225,7 @@ def test_a_corrupt_cached_emulation_library_is_rebuilt(tmp_path, monkeypatch):
                                 ("l3_emulated_paged_attention", "l3_emulated_to_16bit", "l3_emulated_from_16bit")))
     builds = []
 
-    def compile_into(compiler, target):
+    def compile_into(build, compiler, target):
         builds.append(target)
         subprocess.run([compiler, "-x", "c", "-shared", "-fPIC", str(stand_in), "-o", str(target)], check=True)
 

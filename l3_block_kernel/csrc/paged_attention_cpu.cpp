@@ -1,0 +1,159 @@
+// The paged-attention decode kernel's algorithm written for a CPU's cores (float32).
+//
+// Same inputs as paged_attention.cu: q [num_seqs, H, D]; k_cache, v_cache [num_blocks, block_size,
+// H_kv, D]; block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]. Same walk:
+// block by block through each sequence's table, an online softmax over the positions, keys and
+// values read where they lie in the pool. What changes is who does the work:
+//
+//   GPU: one thread block per (sequence, query heads), 128 threads splitting a block's positions
+//   CPU: one work item per (sequence, KV head), a few OS threads taking items in turn; the item
+//        serves the KV head's whole GQA group, so each key and value row is read from memory once
+//        for all G query heads, and the D-long dot products and updates are left to the compiler
+//        to vectorise (eight partial sums per dot product let it do so without fast-math).
+//
+// Returns nullptr, or a message naming the first bad length or block id (checked before any
+// thread starts, so a bad table never reads outside the pool).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <thread>
+#include <vector>
+
+namespace {
+
+struct Args {
+  float* out;
+  const float* q;
+  const float* k_cache;
+  const float* v_cache;
+  const int32_t* block_tables;
+  const int32_t* context_lens;
+  int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  float scale;
+};
+
+float dot(const float* a, const float* b, int n) {
+  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int lane = 0; lane < 8; ++lane) partial[lane] += a[i + lane] * b[i + lane];
+  }
+  float sum = 0;
+  for (int lane = 0; lane < 8; ++lane) sum += partial[lane];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// One sequence, KV heads [h0, h1): each head's G query heads attend to the first len positions.
+// Per position the item reads the heads' key rows as one contiguous run (a position's H_kv rows
+// lie side by side in a block), which the hardware prefetcher follows; one item per head would
+// jump a whole position row between reads.
+// scratch: per head, G * D scaled queries, G * D accumulators and G * block_size scores.
+void attend_item(const Args& a, int seq, int h0, int h1, std::vector<float>& scratch) {
+  const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
+  const int64_t row_stride = int64_t(a.num_kv_heads) * D;  // one position of one block
+  const int heads = h1 - h0, rows = heads * G;             // query heads served
+  float* qs = scratch.data();
+  float* acc = qs + rows * D;
+  float* scores = acc + rows * D;
+  std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
+  const float* q = a.q + (int64_t(seq) * a.num_heads + int64_t(h0) * G) * D;
+  for (int i = 0; i < rows * D; ++i) qs[i] = q[i] * a.scale;
+  std::fill(acc, acc + rows * D, 0.0f);
+
+  const int len = a.context_lens[seq];
+  const int32_t* table = a.block_tables + int64_t(seq) * a.max_blocks;
+  for (int j = 0; j * bs < len; ++j) {
+    const int n = std::min(bs, len - j * bs);  // positions of this block in use
+    const float* k_block = a.k_cache + int64_t(table[j]) * bs * row_stride + int64_t(h0) * D;
+    const float* v_block = a.v_cache + int64_t(table[j]) * bs * row_stride + int64_t(h0) * D;
+    for (int t = 0; t < n; ++t) {
+      for (int r = 0; r < rows; ++r) scores[r * bs + t] = dot(qs + r * D, k_block + t * row_stride + (r / G) * D, D);
+    }
+    for (int r = 0; r < rows; ++r) {
+      float* s = scores + r * bs;
+      const float m_new = std::max(m[r], *std::max_element(s, s + n));
+      const float rescale = std::exp(m[r] - m_new);  // 0 on the first block, where m = -inf
+      float* acc_r = acc + r * D;
+      for (int i = 0; i < D; ++i) acc_r[i] *= rescale;
+      l[r] *= rescale;
+      for (int t = 0; t < n; ++t) {
+        s[t] = std::exp(s[t] - m_new);
+        l[r] += s[t];
+      }
+      m[r] = m_new;
+    }
+    for (int t = 0; t < n; ++t) {
+      for (int r = 0; r < rows; ++r) {
+        const float p = scores[r * bs + t];
+        const float* v = v_block + t * row_stride + (r / G) * D;
+        float* acc_r = acc + r * D;
+        for (int i = 0; i < D; ++i) acc_r[i] += p * v[i];
+      }
+    }
+  }
+  float* out = a.out + (int64_t(seq) * a.num_heads + int64_t(h0) * G) * D;
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < D; ++i) out[r * D + i] = acc[r * D + i] / l[r];
+  }
+}
+
+thread_local char error_message[256];  // per calling thread: ctypes releases the GIL
+
+const char* check_tables(const Args& a, int num_blocks) {
+  const int capacity = a.max_blocks * a.block_size;
+  for (int s = 0; s < a.num_seqs; ++s) {
+    const int len = a.context_lens[s];
+    if (len < 1 || len > capacity) {
+      std::snprintf(error_message, sizeof error_message,
+                    "context_lens must be in [1, %d] (block_tables has %d columns of block_size %d), "
+                    "got %d for sequence %d", capacity, a.max_blocks, a.block_size, len, s);
+      return error_message;
+    }
+    for (int j = 0; j * a.block_size < len; ++j) {
+      const int32_t id = a.block_tables[int64_t(s) * a.max_blocks + j];
+      if (id < 0 || id >= num_blocks) {
+        std::snprintf(error_message, sizeof error_message,
+                      "block_tables[%d, %d] = %d is not a block id in [0, %d), but sequence %d "
+                      "(context_len %d) reads it", s, j, id, num_blocks, s, len);
+        return error_message;
+      }
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+extern "C" const char* l3_cpu_paged_attention(
+    float* out, const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
+    const int32_t* context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, int max_blocks, int num_blocks, float scale, int num_threads) {
+  const Args a{out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
+               num_kv_heads, head_dim, block_size, max_blocks, scale};
+  if (num_heads % num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
+  if (const char* error = check_tables(a, num_blocks)) return error;
+
+  // Items: each sequence's KV heads cut into `parts` ranges, enough for every worker to get a
+  // few even with one sequence. Worker w takes items w, w + workers, ...: neighbouring items
+  // (parts of one sequence) have the same length, so the workers' shares stay even.
+  const int workers = std::max(1, num_threads);
+  const int parts = std::min(num_kv_heads, std::max(1, 2 * workers / std::max(1, num_seqs)));
+  const int heads_per_part = (num_kv_heads + parts - 1) / parts;
+  const int items = num_seqs * parts;
+  const size_t scratch_floats = size_t(heads_per_part) * (num_heads / num_kv_heads) * (2 * head_dim + block_size);
+  auto work = [&](int worker) {
+    std::vector<float> scratch(scratch_floats);
+    for (int item = worker; item < items; item += workers) {
+      const int h0 = (item % parts) * heads_per_part, h1 = std::min(num_kv_heads, h0 + heads_per_part);
+      if (h0 < h1) attend_item(a, item / parts, h0, h1, scratch);
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (int w = 1; w < std::min(workers, items); ++w) helpers.emplace_back(work, w);
+  work(0);
+  for (auto& t : helpers) t.join();
+  return nullptr;
+}
