@@ -4,7 +4,7 @@
 On a random model with Qwen3-0.6B's shapes (--layers of its 28; made in-process, nothing
 downloaded), the L5 engine's forward runs decode steps of 1 to 64 requests (each with --context
 tokens cached) and prefill chunks of 128 and 256 rows, twice per round: with its large matrix
-products (2**21 weights or more: q, o, the MLP and the head) on oneDNN's packed weights
+products (2**20 weights or more: every matrix of Qwen3-0.6B) on oneDNN's packed weights
 (l5_eviction/fast_linear.py, the default) and with `nn.Linear` (before). Rounds alternate the
 two, best of --repeat kept. Each step's floor is max(bytes / bandwidth, FLOPs / matmul rate),
 with the constants measured in the same run (harness.benchmark.measure_machine).

@@ -71,8 +71,8 @@ def test_recorded_steps_cover_every_token_and_leave_the_ids_as_hf(tiny_model_dir
 def test_only_large_matrices_are_packed(make_model):
     if not fast_linear.packing_works():
         pytest.skip("this torch has no oneDNN packed product: the engine keeps nn.Linear")
-    # a head of 2**21 weights (vocabulary 8192 x hidden 256) and layer matrices far smaller
-    model = load_engine_model(make_model(seed=5, vocab_size=8192, hidden_size=256))
+    # a head of 2**20 weights (vocabulary 4096 x hidden 256) and layer matrices far smaller
+    model = load_engine_model(make_model(seed=5, vocab_size=4096, hidden_size=256))
     packed = {name for name, m in model.named_modules() if isinstance(m, PackedLinear)}
     assert packed == {"lm_head"} and model.lm_head.weight.numel() == fast_linear.MIN_PACKED_WEIGHTS
 

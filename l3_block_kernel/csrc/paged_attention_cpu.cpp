@@ -23,6 +23,8 @@
 
 namespace {
 
+constexpr int64_t kMinKeysPerThread = 1 << 16;  // 256 KB of keys (and as much of values) per thread
+
 struct Args {
   float* out;
   const float* q;
@@ -136,10 +138,14 @@ extern "C" const char* l3_cpu_paged_attention(
   if (num_heads % num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
   if (const char* error = check_tables(a, num_blocks)) return error;
 
+  // Starting a thread costs tens of microseconds: a small call (a tiny model, short contexts)
+  // runs on the calling thread alone, a larger one on up to num_threads.
+  int64_t keys = 0;  // key elements to read, all sequences and KV heads
+  for (int s = 0; s < num_seqs; ++s) keys += int64_t(context_lens[s]) * num_kv_heads * head_dim;
+  const int workers = int(std::clamp<int64_t>(keys / kMinKeysPerThread, 1, std::max(1, num_threads)));
   // Items: each sequence's KV heads cut into `parts` ranges, enough for every worker to get a
   // few even with one sequence. Worker w takes items w, w + workers, ...: neighbouring items
   // (parts of one sequence) have the same length, so the workers' shares stay even.
-  const int workers = std::max(1, num_threads);
   const int parts = std::min(num_kv_heads, std::max(1, 2 * workers / std::max(1, num_seqs)));
   const int heads_per_part = (num_kv_heads + parts - 1) / parts;
   const int items = num_seqs * parts;
