@@ -6,10 +6,11 @@
 // values read where they lie in the pool. What changes is who does the work:
 //
 //   GPU: one thread block per (sequence, query heads), 128 threads splitting a block's positions
-//   CPU: one work item per (sequence, KV head), a few OS threads taking items in turn; the item
-//        serves the KV head's whole GQA group, so each key and value row is read from memory once
-//        for all G query heads, and the D-long dot products and updates are left to the compiler
-//        to vectorise (eight partial sums per dot product let it do so without fast-math).
+//   CPU: one work item per sequence (or per range of its KV heads when there are fewer sequences
+//        than threads), a few OS threads taking items in turn; an item serves each KV head's whole
+//        GQA group, so each key and value row is read from memory once for all G query heads, and
+//        the D-long dot products and updates are left to the compiler to vectorise (eight partial
+//        sums per dot product let it do so without fast-math).
 //
 // Returns nullptr, or a message naming the first bad length or block id (checked before any
 // thread starts, so a bad table never reads outside the pool).
@@ -37,7 +38,7 @@ struct Args {
 };
 
 float dot(const float* a, const float* b, int n) {
-  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float partial[8] = {};
   int i = 0;
   for (; i + 8 <= n; i += 8) {
     for (int lane = 0; lane < 8; ++lane) partial[lane] += a[i + lane] * b[i + lane];
