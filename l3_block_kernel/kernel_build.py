@@ -196,7 +196,8 @@ def _compile_into(build: HostBuild, compiler: str, library: Path) -> None:
         result = subprocess.run([compiler, *build.flags, *build.inputs, "-o", str(partial)],
                                 capture_output=True, text=True)
         if result.returncode != 0:
-            first = next((line for line in result.stderr.splitlines() if "error" in line), result.stderr.strip())
+            first = next((line for line in result.stderr.splitlines() if "error" in line),
+                         result.stderr.strip() or f"exit status {result.returncode}, no message")
             raise InputError(f"cannot build {build.what} with {compiler} (it needs {build.standard}): {first[:300]}")
         os.replace(partial, library)
 

@@ -261,6 +261,15 @@ def test_cpu_backend_ignores_unused_slots_and_padding(fill, pad):
     torch.testing.assert_close(out.double(), naive_attention(*case), rtol=1e-4, atol=1e-5)
 
 
+def test_a_compiler_that_fails_silently_is_one_line(monkeypatch, tmp_path):
+    from l3_block_kernel import kernel_build
+    monkeypatch.setenv("CXX", "false")  # exits 1 and prints nothing
+    monkeypatch.setenv("L3_EMULATION_CACHE", str(tmp_path))
+    with pytest.raises(InputError) as info:
+        kernel_build._build_host(kernel_build.CPU_KERNEL_BUILD)
+    assert str(info.value) == "cannot build the L3 CPU kernel with false (it needs C++17): exit status 1, no message"
+
+
 @needs_compiler
 def test_cpu_backend_takes_float32_on_the_cpu_only():
     case = make_case([5, 9], 16, dtype=torch.bfloat16)
