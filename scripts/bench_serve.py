@@ -9,6 +9,10 @@ Poisson at each --rates value (requests per second), the same seeded times for e
 server runs alone (started, measured on every row, stopped); with --rounds 2 the order is reversed
 in the second round and each row keeps its best round (the one least disturbed by other work).
 
+Both servers get the same --threads intra-op threads (OMP_NUM_THREADS; default 1): on a small
+machine the client and each server's HTTP side need cores too, and an engine whose threads are
+descheduled mid-product waits for them.
+
 Reported per row: output tokens/s (all tokens / first send to last token), TTFT and inter-token
 latency p50/p99 (ms), goodput (requests/s that met the SLO: TTFT <= --slo-ttft-ms and mean ITL <=
 --slo-itl-ms), and whether every request's text equals ours.
@@ -74,7 +78,8 @@ def arrivals(count: int, rate: float, seed: int) -> list[float]:
 # ---------------------------------------------------------------- servers, one at a time
 
 def start(target: dict, args, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": str(args.threads)}
     if target["kind"] == "ours":
         cmd = [sys.executable, "-m", "l11_serve", "--model", args.model, "--port", str(port),
                "--num-blocks", str(args.num_blocks), "--block-size", str(args.block_size),
@@ -176,12 +181,16 @@ def main(argv=None) -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-itl-ms", type=float, default=200.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads of each server, set as OMP_NUM_THREADS for both (default 1: the "
+                        "client and each server's HTTP side share the machine's cores with it)")
     p.add_argument("--markdown", default=None, help="rewrite the bench_serve section of this file")
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     names = args.workloads.split(",")
-    if min(rates) <= 0 or args.requests < 1 or not set(names) <= {"shared", "mixed"}:
-        print("error: --rates must be > 0, --requests >= 1, --workloads from shared,mixed", file=sys.stderr)
+    if min(rates) <= 0 or min(args.requests, args.threads) < 1 or not set(names) <= {"shared", "mixed"}:
+        print("error: --rates must be > 0, --requests and --threads >= 1, --workloads from shared,mixed",
+              file=sys.stderr)
         return 2
     targets = [{"name": "ours (l11_serve)", "kind": "ours"}]
     have_hf = hf_cli() is not None and all(importlib.util.find_spec(m) for m in ("fastapi", "rich", "accelerate"))
@@ -231,19 +240,14 @@ def main(argv=None) -> int:
         cmd = "python scripts/bench_serve.py " + " ".join(a for a in (argv or sys.argv[1:])
                                                           if not a.startswith("--markdown") and a != args.markdown)
         text = (f"## L11: serving over HTTP, ours vs `transformers serve --continuous-batching`\n\n"
-                f"`{cmd.strip()}` · {machine_line(torch_threads(), load_start)}\n\n"
+                f"`{cmd.strip()}` · {machine_line(args.threads, load_start)}\n\n"
                 f"{args.requests} requests per row, Poisson arrivals, greedy; one server running at a time (the other stopped) "
-                f"while measured, both on CPU float32 with {args.num_blocks} blocks of {args.block_size}; "
+                f"while measured, both on CPU float32 with {args.num_blocks} blocks of {args.block_size} and "
+                f"{args.threads} intra-op thread(s) (OMP_NUM_THREADS); "
                 f"times in ms; SLO: TTFT <= {args.slo_ttft_ms:g} ms and mean ITL <= {args.slo_itl_ms:g} ms; "
                 f"best of {args.rounds} round(s). {note}\n\n" + markdown_table(table, columns, ".1f"))
         replace_section(args.markdown, "bench_serve", text)
     return 0
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 if __name__ == "__main__":
