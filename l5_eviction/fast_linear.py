@@ -8,15 +8,15 @@ this skinny shape to MKL's sgemm, which on the course's AMD CPU took 3 to 11 tim
 kernel does better when W is first reordered ("packed") into the blocked layout its micro-kernel
 reads for blocks of 4 rows: at 2 to 32 rows the head took 0.6-0.8x the time of oneDNN on the
 plain layout and a fifth to a quarter of MKL's, and the layer products gain too
-(docs/benchmarks.md, "The floor of a step"). The packed
-kernel has one weak spot, 1 to 3 rows: one row takes the plain layout (the fastest there), two or
-three are padded with zero rows to four.
+(docs/benchmarks.md, "The floor of a step"). The packed kernel has one weak spot, 1 to 3 rows:
+one row takes the plain layout (the fastest there), two or three are padded with zero rows to four.
 
-Only large matrices are packed (MIN_PACKED_WEIGHTS). The logits are the same sums in another order (differences ~1e-6, inside the tolerance every HF
-comparison uses). Engine-only, on a CPU in float32 where oneDNN is built in and the product
-checks out on a probe; elsewhere (CUDA, bf16, a torch without these ops) the model keeps its
-`nn.Linear`s. The packed copy costs one more copy of every matrix (the dense weight stays: the
-model's parameter, tied to the embedding for the head, and the one-row path).
+Only large matrices are packed (MIN_PACKED_WEIGHTS). The logits are the same sums in another
+order (differences ~1e-6, inside the tolerance every HF comparison uses). Engine-only, on a CPU
+in float32 where oneDNN is built in and the product checks out on a probe; elsewhere (CUDA,
+bf16, a torch without these ops) the model keeps its `nn.Linear`s. Packing costs one more copy
+of each packed matrix (the dense weight stays: the model's parameter, tied to the embedding for
+the head, and the one-row path).
 """
 
 from __future__ import annotations
