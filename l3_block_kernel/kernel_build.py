@@ -42,8 +42,23 @@ EXTENSION_NAME = "l3_paged_attention"
 EMULATION_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing",
                    "-U_FORTIFY_SOURCE", "-Wall", "-Wno-unknown-pragmas")
 CPU_KERNEL_SOURCE = CSRC_DIR / "paged_attention_cpu.cpp"
+
+
+def _torch_runs_on_gnu_openmp() -> bool:
+    """Whether this process's torch takes its intra-op threads from GNU OpenMP (libgomp.so.1, as
+    Linux wheels do). A library built with -fopenmp then shares that runtime (the loader finds
+    libgomp.so.1 already loaded) and so torch's threads; with another OpenMP (macOS's, Intel's)
+    it would start a second set of threads competing with the first."""
+    try:
+        return "/libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:  # not Linux
+        return False
+
+
 # -O3 for the vectoriser; no -march=native: the cache may be shared by machines of different CPUs.
-CPU_KERNEL_FLAGS = ("-std=c++17", "-O3", "-shared", "-fPIC", "-pthread", "-Wall")
+# Without -fopenmp the kernel runs on the calling thread alone.
+CPU_KERNEL_FLAGS = ("-std=c++17", "-O3", "-shared", "-fPIC", "-Wall",
+                    *(("-fopenmp",) if _torch_runs_on_gnu_openmp() else ()))
 
 
 class BuildOnce:

@@ -7,7 +7,7 @@
 //
 //   GPU: one thread block per (sequence, query heads), 128 threads splitting a block's positions
 //   CPU: one work item per sequence (or per range of its KV heads when there are fewer sequences
-//        than threads), a few OS threads taking items in turn; an item serves each KV head's whole
+//        than threads), torch's OpenMP threads taking items in turn; an item serves each KV head's whole
 //        GQA group, so each key and value row is read from memory once for all G query heads, and
 //        the D-long dot products and updates are left to the compiler to vectorise (eight partial
 //        sums per dot product let it do so without fast-math).
@@ -19,8 +19,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
-#include <thread>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#else  // built without OpenMP: the calling thread does every item
+static int omp_get_thread_num() { return 0; }
+static int omp_get_num_threads() { return 1; }
+#endif
 
 namespace {
 
@@ -139,7 +145,7 @@ extern "C" const char* l3_cpu_paged_attention(
   if (num_heads % num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
   if (const char* error = check_tables(a, num_blocks)) return error;
 
-  // Starting a thread costs tens of microseconds: a small call (a tiny model, short contexts)
+  // Handing work to other threads costs microseconds: a small call (a tiny model, short contexts)
   // runs on the calling thread alone, a larger one on up to num_threads.
   int64_t keys = 0;  // key elements to read, all sequences and KV heads
   for (int s = 0; s < num_seqs; ++s) keys += int64_t(context_lens[s]) * num_kv_heads * head_dim;
@@ -151,16 +157,16 @@ extern "C" const char* l3_cpu_paged_attention(
   const int heads_per_part = (num_kv_heads + parts - 1) / parts;
   const int items = num_seqs * parts;
   const size_t scratch_floats = size_t(heads_per_part) * (num_heads / num_kv_heads) * (2 * head_dim + block_size);
-  auto work = [&](int worker) {
+  // The workers are torch's own intra-op threads when built with -fopenmp (see kernel_build.py):
+  // between two matrix products they are already running or waiting for work, where threads of
+  // our own would have to be started and would compete with them for the cores.
+  #pragma omp parallel num_threads(std::min(workers, items))
+  {
     std::vector<float> scratch(scratch_floats);
-    for (int item = worker; item < items; item += workers) {
+    for (int item = omp_get_thread_num(); item < items; item += omp_get_num_threads()) {
       const int h0 = (item % parts) * heads_per_part, h1 = std::min(num_kv_heads, h0 + heads_per_part);
       if (h0 < h1) attend_item(a, item / parts, h0, h1, scratch);
     }
-  };
-  std::vector<std::thread> helpers;
-  for (int w = 1; w < std::min(workers, items); ++w) helpers.emplace_back(work, w);
-  work(0);
-  for (auto& t : helpers) t.join();
+  }
   return nullptr;
 }
