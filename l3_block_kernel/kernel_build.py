@@ -55,9 +55,22 @@ def _torch_runs_on_gnu_openmp() -> bool:
         return False
 
 
-# -O3 for the vectoriser; no -march=native: the cache may be shared by machines of different CPUs.
-# Without -fopenmp the kernel runs on the calling thread alone.
+def _cpu_has_avx2_fma() -> bool:
+    """Whether this CPU has AVX2 and FMA (x86 from 2013 on): 8 floats per instruction, not 4."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:  # not Linux
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+# -O3 for the vectoriser. -mavx2 -mfma only where this CPU has them (decode attention ~20% faster
+# than SSE2's 4-wide; not -march=native, which would tie the library to one CPU model): the flags
+# are part of the cache key, so a machine without them builds its own. Without -fopenmp the kernel
+# runs on the calling thread alone.
 CPU_KERNEL_FLAGS = ("-std=c++17", "-O3", "-shared", "-fPIC", "-Wall",
+                    *(("-mavx2", "-mfma") if _cpu_has_avx2_fma() else ()),
                     *(("-fopenmp",) if _torch_runs_on_gnu_openmp() else ()))
 
 
