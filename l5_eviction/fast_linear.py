@@ -31,7 +31,7 @@ from torch import nn
 PACKED_ROWS = 4  # the row block the packed layout is chosen for; fewer rows are padded up to it
 # Smaller matrices stay on nn.Linear: oneDNN builds a kernel for each new row count it meets (about
 # a millisecond), which a server's ever-changing steps keep paying, and a small product has little
-# to gain. 2**20 weights (4 MB): every matrix of Qwen3-0.6B; none of the embedded model's.
+# to gain. 2**20 weights (4 MB): every matrix of Qwen3-0.6B; of the embedded model's, the head alone.
 MIN_PACKED_WEIGHTS = 1 << 20
 
 
