@@ -45,14 +45,16 @@ CPU_KERNEL_SOURCE = CSRC_DIR / "paged_attention_cpu.cpp"
 
 
 def _torch_runs_on_gnu_openmp() -> bool:
-    """Whether this process's torch takes its intra-op threads from GNU OpenMP (libgomp.so.1, as
-    Linux wheels do). A library built with -fopenmp then shares that runtime (the loader finds
-    libgomp.so.1 already loaded) and so torch's threads; with another OpenMP (macOS's, Intel's)
-    it would start a second set of threads competing with the first."""
+    """Whether this process's torch takes its intra-op threads from GNU OpenMP loaded as
+    libgomp.so.1 (as Linux wheels do). A library built with -fopenmp asks for libgomp.so.1, and the
+    loader hands it the one already loaded, so it shares torch's threads. Where that name differs
+    (a renamed copy), or with another OpenMP (macOS's, Intel's), it would start a second set of
+    threads competing with torch's: the kernel is then built without OpenMP."""
     try:
-        return "/libgomp" in Path("/proc/self/maps").read_text()
+        maps = Path("/proc/self/maps").read_text()
     except OSError:  # not Linux
         return False
+    return any(line.endswith("/libgomp.so.1") for line in maps.splitlines())
 
 
 def _cpu_has_avx2_fma() -> bool:

@@ -261,6 +261,28 @@ def test_cpu_backend_ignores_unused_slots_and_padding(fill, pad):
     torch.testing.assert_close(out.double(), naive_attention(*case), rtol=1e-4, atol=1e-5)
 
 
+@needs_compiler
+def test_cpu_backend_threads_are_torchs_own():
+    """Built with OpenMP, the kernel must run on the libgomp torch already loaded: a second OpenMP
+    runtime would bring a second set of threads competing with torch's for the same cores."""
+    from pathlib import Path
+
+    from l3_block_kernel import kernel_build
+    if not kernel_build._torch_runs_on_gnu_openmp():
+        pytest.skip("torch does not run on GNU OpenMP here: the kernel is built to use the calling thread")
+    assert "-fopenmp" in kernel_build.CPU_KERNEL_FLAGS
+    case = make_case([1000] * 4, 16, num_kv_heads=8, group=2, head_dim=64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = paged_attention(*case, backend="cpu")
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.double(), naive_attention(*case), rtol=1e-4, atol=1e-5)
+    runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(runtimes) == 1, f"more than one OpenMP runtime loaded: {sorted(runtimes)}"
+
+
 def test_a_compiler_that_fails_silently_is_one_line(monkeypatch, tmp_path):
     from l3_block_kernel import kernel_build
     monkeypatch.setenv("CXX", "false")  # exits 1 and prints nothing
