@@ -173,8 +173,9 @@ def paged_attention_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
-    """Runs csrc/paged_attention_cpu.cpp with up to torch.get_num_threads() threads. Inputs checked,
-    float32, on the CPU; lengths and block ids are checked in C++ before anything is read."""
+    """Runs csrc/paged_attention_cpu.cpp on up to torch.get_num_threads() of torch's own OpenMP
+    threads (the calling thread alone where it is built without OpenMP). Inputs checked, float32,
+    on the CPU; lengths and block ids are checked in C++ before anything is read."""
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
