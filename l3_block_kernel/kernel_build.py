@@ -223,8 +223,14 @@ def _compile_into(build: HostBuild, compiler: str, library: Path) -> None:
     # Compile to a temporary name, then rename: two processes building at once never load half a file.
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         partial = Path(tmp) / library.name
-        result = subprocess.run([compiler, *build.flags, *build.inputs, "-o", str(partial)],
-                                capture_output=True, text=True)
+
+        def compile_with(flags):
+            return subprocess.run([compiler, *flags, *build.inputs, "-o", str(partial)], capture_output=True, text=True)
+
+        result = compile_with(build.flags)
+        if result.returncode != 0 and "-fopenmp" in build.flags:
+            # A compiler without GNU OpenMP (clang without libomp, say): the kernel runs on the calling thread.
+            result = compile_with([f for f in build.flags if f != "-fopenmp"])
         if result.returncode != 0:
             first = next((line for line in result.stderr.splitlines() if "error" in line),
                          result.stderr.strip() or f"exit status {result.returncode}, no message")

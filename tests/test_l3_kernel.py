@@ -283,6 +283,29 @@ def test_cpu_backend_threads_are_torchs_own():
     assert len(runtimes) == 1, f"more than one OpenMP runtime loaded: {sorted(runtimes)}"
 
 
+@needs_compiler
+def test_a_compiler_without_openmp_still_builds_the_cpu_kernel(monkeypatch, tmp_path):
+    """A compiler that refuses -fopenmp gets a second try without it: the kernel then runs on the
+    calling thread, and gives the same answers."""
+    import importlib
+
+    from l3_block_kernel import kernel_build
+    pa = importlib.import_module("l3_block_kernel.paged_attention")  # the module; the package exports the function
+    if "-fopenmp" not in kernel_build.CPU_KERNEL_FLAGS:
+        pytest.skip("the kernel is built without OpenMP here")
+    fake = tmp_path / "no-openmp-c++"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && { echo "error: no -fopenmp" >&2; exit 1; }; done\n'
+                    f'exec {kernel_build.host_compiler()} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("L3_EMULATION_CACHE", str(tmp_path / "cache"))
+    library = kernel_build._build_host(kernel_build.CPU_KERNEL_BUILD)
+    monkeypatch.setattr(pa, "load_cpu_kernel", lambda: library)
+    case = make_case([1000, 7, 300], 16, num_kv_heads=8, group=2, head_dim=64)
+    torch.testing.assert_close(paged_attention(*case, backend="cpu").double(), naive_attention(*case),
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_a_compiler_that_fails_silently_is_one_line(monkeypatch, tmp_path):
     from l3_block_kernel import kernel_build
     monkeypatch.setenv("CXX", "false")  # exits 1 and prints nothing
