@@ -69,11 +69,12 @@ def _cpu_has_avx2_fma() -> bool:
 
 # -O3 for the vectoriser. -mavx2 -mfma only where this CPU has them (decode attention ~20% faster
 # than SSE2's 4-wide; not -march=native, which would tie the library to one CPU model): the flags
-# are part of the cache key, so a machine without them builds its own. Without -fopenmp the kernel
-# runs on the calling thread alone.
+# are part of the cache key, so a machine without them builds its own. -fopenmp is optional: a
+# compiler without GNU OpenMP (clang without libomp, say) builds a kernel that runs on the calling
+# thread alone.
 CPU_KERNEL_FLAGS = ("-std=c++17", "-O3", "-shared", "-fPIC", "-Wall",
-                    *(("-mavx2", "-mfma") if _cpu_has_avx2_fma() else ()),
-                    *(("-fopenmp",) if _torch_runs_on_gnu_openmp() else ()))
+                    *(("-mavx2", "-mfma") if _cpu_has_avx2_fma() else ()))
+CPU_KERNEL_OPTIONAL_FLAGS = ("-fopenmp",) if _torch_runs_on_gnu_openmp() else ()
 
 
 class BuildOnce:
@@ -169,7 +170,8 @@ only when a source changes, so a later process loads it in about a second."""
 @dataclass(frozen=True)
 class HostBuild:
     """A shared library the host C++ compiler builds from csrc, cached under a folder keyed by the
-    hash of the compiler, the flags and the sources, and called through ctypes."""
+    hash of the compiler, the flags and the sources, and called through ctypes. A compiler that
+    refuses `optional_flags` gets a second try without them."""
 
     what: str                    # for messages: "the CPU emulation of the L3 kernel"
     backend: str                 # the paged_attention backend it serves
@@ -179,9 +181,10 @@ class HostBuild:
     inputs: tuple[str, ...]      # the compiler's include and source arguments
     filename: str
     bind: Callable[[ctypes.CDLL], ctypes.CDLL]
+    optional_flags: tuple[str, ...] = ()
 
     def library(self, compiler: str) -> Path:
-        digest = hashlib.sha256(" ".join((compiler, *self.flags)).encode())
+        digest = hashlib.sha256(" ".join((compiler, *self.flags, *self.optional_flags)).encode())
         for path in self.sources:
             digest.update(path.read_bytes())
         return host_cache_dir() / f"{Path(self.filename).stem}-{digest.hexdigest()[:16]}" / self.filename
@@ -227,10 +230,9 @@ def _compile_into(build: HostBuild, compiler: str, library: Path) -> None:
         def compile_with(flags):
             return subprocess.run([compiler, *flags, *build.inputs, "-o", str(partial)], capture_output=True, text=True)
 
-        result = compile_with(build.flags)
-        if result.returncode != 0 and "-fopenmp" in build.flags:
-            # A compiler without GNU OpenMP (clang without libomp, say): the kernel runs on the calling thread.
-            result = compile_with([f for f in build.flags if f != "-fopenmp"])
+        result = compile_with((*build.flags, *build.optional_flags))
+        if result.returncode != 0 and build.optional_flags:
+            result = compile_with(build.flags)
         if result.returncode != 0:
             first = next((line for line in result.stderr.splitlines() if "error" in line),
                          result.stderr.strip() or f"exit status {result.returncode}, no message")
@@ -275,7 +277,8 @@ def _bind_cpu_kernel(library: ctypes.CDLL) -> ctypes.CDLL:
 
 CPU_KERNEL_BUILD = HostBuild(
     what="the L3 CPU kernel", backend="cpu", standard="C++17", flags=CPU_KERNEL_FLAGS, sources=(CPU_KERNEL_SOURCE,),
-    inputs=("-x", "c++", str(CPU_KERNEL_SOURCE)), filename="paged_attention_cpu.so", bind=_bind_cpu_kernel)
+    inputs=("-x", "c++", str(CPU_KERNEL_SOURCE)), filename="paged_attention_cpu.so", bind=_bind_cpu_kernel,
+    optional_flags=CPU_KERNEL_OPTIONAL_FLAGS)
 
 load_cpu_kernel = BuildOnce(lambda: _build_host(CPU_KERNEL_BUILD))
 load_cpu_kernel.__doc__ = """Builds csrc/paged_attention_cpu.cpp on first use (~1 s), then returns the ctypes library."""

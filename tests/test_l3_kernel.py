@@ -270,7 +270,7 @@ def test_cpu_backend_threads_are_torchs_own():
     from l3_block_kernel import kernel_build
     if not kernel_build._torch_runs_on_gnu_openmp():
         pytest.skip("torch does not run on GNU OpenMP here: the kernel is built to use the calling thread")
-    assert "-fopenmp" in kernel_build.CPU_KERNEL_FLAGS
+    assert "-fopenmp" in kernel_build.CPU_KERNEL_OPTIONAL_FLAGS
     case = make_case([1000] * 4, 16, num_kv_heads=8, group=2, head_dim=64)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -291,7 +291,7 @@ def test_a_compiler_without_openmp_still_builds_the_cpu_kernel(monkeypatch, tmp_
 
     from l3_block_kernel import kernel_build
     pa = importlib.import_module("l3_block_kernel.paged_attention")  # the module; the package exports the function
-    if "-fopenmp" not in kernel_build.CPU_KERNEL_FLAGS:
+    if "-fopenmp" not in kernel_build.CPU_KERNEL_OPTIONAL_FLAGS:
         pytest.skip("the kernel is built without OpenMP here")
     fake = tmp_path / "no-openmp-c++"
     fake.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && { echo "error: no -fopenmp" >&2; exit 1; }; done\n'
