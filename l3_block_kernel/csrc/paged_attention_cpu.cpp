@@ -59,7 +59,8 @@ float dot(const float* a, const float* b, int n) {
 // Per position the item reads the heads' key rows as one contiguous run (a position's H_kv rows
 // lie side by side in a block), which the hardware prefetcher follows; one item per head would
 // jump a whole position row between reads.
-// scratch: per head, G * D scaled queries, G * D accumulators and G * block_size scores.
+// scratch: per head, G * D scaled queries, G * D accumulators, G * block_size scores, and G running
+// maxima and G running sums.
 void attend_item(const Args& a, int seq, int h0, int h1, std::vector<float>& scratch) {
   const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
   const int64_t row_stride = int64_t(a.num_kv_heads) * D;  // one position of one block
@@ -67,7 +68,10 @@ void attend_item(const Args& a, int seq, int h0, int h1, std::vector<float>& scr
   float* qs = scratch.data();
   float* acc = qs + rows * D;
   float* scores = acc + rows * D;
-  std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.0f);
+  float* m = scores + rows * bs;
+  float* l = m + rows;
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.0f);
   const float* q = a.q + (int64_t(seq) * a.num_heads + int64_t(h0) * G) * D;
   for (int i = 0; i < rows * D; ++i) qs[i] = q[i] * a.scale;
   std::fill(acc, acc + rows * D, 0.0f);
@@ -156,7 +160,8 @@ extern "C" const char* l3_cpu_paged_attention(
   const int parts = std::min(num_kv_heads, std::max(1, 2 * workers / std::max(1, num_seqs)));
   const int heads_per_part = (num_kv_heads + parts - 1) / parts;
   const int items = num_seqs * parts;
-  const size_t scratch_floats = size_t(heads_per_part) * (num_heads / num_kv_heads) * (2 * head_dim + block_size);
+  const size_t scratch_floats =  // see attend_item
+      size_t(heads_per_part) * (num_heads / num_kv_heads) * (2 * head_dim + block_size + 2);
   // The workers are torch's own intra-op threads when built with -fopenmp (see kernel_build.py):
   // between two matrix products they are already running or waiting for work, where threads of
   // our own would have to be started and would compete with them for the cores.
