@@ -6,12 +6,17 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # torch is installed only when the environment cannot import one (an existing build, CPU or CUDA,
-# is kept). On Linux, PyPI's torch is the CUDA build (a 0.5 GB wheel plus several GB of CUDA
-# libraries), so without an NVIDIA GPU it comes from PyTorch's CPU index (about 0.2 GB).
+# is kept), by scripts/install_torch.py: on Linux without an NVIDIA GPU it adds PyTorch's CPU index
+# (about 0.2 GB instead of several GB of CUDA libraries), and where that index cannot be reached
+# (a machine that reaches PyPI only) it says so in one line and takes torch from the default index.
 # TORCH_BUILD=cuda asks for the CUDA build; TORCH_BUILD=cpu for the CPU build even with a GPU.
+# ISOLATED=1 makes .venv without the system's site-packages (CI does: nothing installed by hand on
+# a machine can then hide a missing step); by default an already-installed torch is reused.
 TORCH  ?= torch==2.13.0
 TORCH_BUILD ?= auto
-TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+ISOLATED ?=
+VENV_FLAGS := $(if $(filter 1 yes true,$(ISOLATED)),,--system-site-packages)
 # Every lesson package at the root (l1_contiguous/ ...): adding a lesson adds its targets.
 LESSONS := $(sort $(foreach p,$(wildcard l[0-9]*_*/__init__.py),$(firstword $(subst _, ,$(p)))))
 
@@ -43,21 +48,16 @@ lab: setup          ## JupyterLab on notebooks/, with this project's kernel
 
 setup: $(STAMP)
 
-# The CPU index only on Linux without an NVIDIA GPU (macOS and Windows wheels on PyPI are CPU builds).
-NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
-ifeq ($(TORCH_BUILD),cpu)
-TORCH_INDEX := --index-url $(TORCH_CPU_INDEX)
-else ifeq ($(TORCH_BUILD)$(shell uname -s)$(NVIDIA_GPU),autoLinux)
-TORCH_INDEX := --index-url $(TORCH_CPU_INDEX)
-else ifneq ($(filter-out auto cuda,$(TORCH_BUILD)),)
+ifneq ($(filter-out auto cuda cpu,$(TORCH_BUILD)),)
 $(error TORCH_BUILD=$(TORCH_BUILD): use auto (the default), cpu or cuda)
 endif
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "make setup: $(PYTHON) is \
 	older than Python 3.11, which transformers 5.22 needs; give a newer one: make setup PYTHON=python3.12" >&2; exit 2; }
-	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)" $(TORCH_INDEX)
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	TORCH="$(TORCH)" TORCH_BUILD="$(TORCH_BUILD)" TORCH_CPU_INDEX="$(TORCH_CPU_INDEX)" \
+		$(PYTHON) scripts/install_torch.py --python $(PY)
 	$(PY) -m pip install -e ".[dev]"
 	@# pip skips a tool the system already has, and then .venv/bin has no `pytest` (or `jupyter`):
 	@# the activated shell would run the system's, which cannot import this environment's torch.

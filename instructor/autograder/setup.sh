@@ -36,5 +36,7 @@ fi
     "$PYTHON" -m venv --clear "$ROOT/venv"
 }
 "$ROOT/venv/bin/python" -m pip install --upgrade pip
-"$ROOT/venv/bin/python" -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# torch's CPU build; where PyTorch's CPU index cannot be reached, one line says so and torch comes
+# from the default index (PyPI) instead: set-up does not fail for that reason.
+"$ROOT/venv/bin/python" "$ROOT/source/scripts/install_torch.py" --python "$ROOT/venv/bin/python" --build cpu
 "$ROOT/venv/bin/python" -m pip install -e "$ROOT/source[dev]"
