@@ -31,14 +31,24 @@ def load_hf_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF `generate` with do_sample=False, one request alone; returns the new tokens only."""
+    return hf_greedy_with_logits(model, prompt_ids, max_new_tokens)[0]
+
+
+@torch.inference_mode()
+def hf_greedy_with_logits(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """HF greedy `generate`, and the logits it chose each new token from (its own cached steps,
+    in the model's dtype, returned as float32): ([new ids], [len(new ids), vocab])."""
     from transformers import GenerationConfig
 
     eos = model.generation_config.eos_token_id
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                              pad_token_id=_first(eos) if eos is not None else 0)
+                              pad_token_id=_first(eos) if eos is not None else 0,
+                              output_logits=True, return_dict_in_generate=True)
     ids = torch.tensor([prompt_ids], device=model.device)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, len(prompt_ids):].tolist()
+    new_ids = out.sequences[0, len(prompt_ids):].tolist()
+    logits = torch.stack([step[0] for step in out.logits])[:len(new_ids)].float().cpu()
+    return new_ids, logits
 
 
 @torch.inference_mode()

@@ -26,7 +26,9 @@ from l1_contiguous import InputError, load_config
 from l1_contiguous.errors import ModelLoadError
 from l1_contiguous.config import Qwen3Config
 
+from . import compare
 from . import hf_reference as hf
+from .forcing import ForcedPaths, forcing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "assets" / "tiny-qwen3-kjv"
@@ -61,6 +63,7 @@ class Setup:
     tokenizer: object | None
     prompts: list[Prompt]
     max_new_tokens: int
+    teacher_forced: str = "auto"  # "always": check the logits along HF's path even where ids agree
 
 
 @dataclass
@@ -97,6 +100,10 @@ def make_parser(lesson: str, description: str) -> argparse.ArgumentParser:
                    help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--teacher-forced", choices=["auto", "always"], default="auto",
+                   help="bfloat16/float16 only: run the lesson again fed HF's ids and compare the logits "
+                        "at every position (auto: when a request's ids diverge from HF's; always: every run). "
+                        "The rule: harness/compare.py")
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     return p
 
@@ -121,7 +128,8 @@ def resolve(args: argparse.Namespace) -> Setup:
     prompts = read_prompts(args, tokenizer, cfg)
     for p in prompts:
         check_prompt(p.ids, cfg, args.max_new_tokens)
-    return Setup(model_dir, cfg, device, dtype, tokenizer, prompts, args.max_new_tokens)
+    return Setup(model_dir, cfg, device, dtype, tokenizer, prompts, args.max_new_tokens,
+                 getattr(args, "teacher_forced", "auto"))
 
 
 def resolve_model_dir(arg: str) -> Path:
@@ -214,18 +222,33 @@ def check_prompt(ids: list[int], cfg: Qwen3Config, max_new_tokens: int) -> None:
             f"{cfg.max_position_embeddings} positions; shorten the prompt or lower --max-new-tokens")
 
 
+TeacherForce = Callable[[argparse.Namespace, Setup, ForcedPaths], ForcedPaths]
+
+
+def rerun_forced(run: Callable[[argparse.Namespace, Setup], LessonRun]) -> TeacherForce:
+    """The default teacher forcing: the lesson's own run again, every runner forced (forcing.py)."""
+    def teacher_force(args, setup, paths: ForcedPaths) -> ForcedPaths:
+        with forcing(paths):
+            run(args, setup)
+        return paths
+    return teacher_force
+
+
 def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, Setup], LessonRun],
               add_options: Callable[[argparse.ArgumentParser], None] | None = None,
-              argv: list[str] | None = None) -> int:
-    """Parse, run the lesson, compare each request with HF alone, report. Returns the exit status."""
+              argv: list[str] | None = None, teacher_force: TeacherForce | None = None) -> int:
+    """Parse, run the lesson, compare each request with HF alone (harness/compare.py's rule),
+    report. Returns the exit status. `teacher_force` reruns the lesson along HF's ids when a
+    low-precision run diverges (default: `rerun_forced(run)`)."""
     parser = make_parser(lesson, description)
     if add_options:
         add_options(parser)
+    force = teacher_force or rerun_forced(run)
     try:
         args = parser.parse_args(argv)
         setup = resolve(args)
         result = run(args, setup)
-        report = compare_with_hf(setup, result)
+        report = compare_with_hf(setup, result, lambda paths: force(args, setup, paths))
     except BaseException as exc:
         return _failure_status(exc)
     try:
@@ -287,26 +310,42 @@ def _stdout_to_devnull() -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
 
 
-def compare_with_hf(setup: Setup, result: LessonRun) -> dict:
+def compare_with_hf(setup: Setup, result: LessonRun,
+                    teacher_force: Callable[[ForcedPaths], ForcedPaths] | None = None) -> dict:
     try:
         model = hf.load_hf_model(str(setup.model_dir), setup.device, setup.dtype)
     except Exception as exc:  # our loader read the folder; what HF still refuses is the folder's fault
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(f"transformers cannot load {setup.model_dir} ({reason})") from None
-    rows = [_compare_one(model, setup, r) for r in result.requests]
-    return {"match": all(r["match"] for r in rows), "requests": rows}
+    hf_runs = [hf.hf_greedy_with_logits(model, r.prompt_ids, setup.max_new_tokens) for r in result.requests]
+    forced = None
+    diverged = any(r.ids != hf_ids for r, (hf_ids, _) in zip(result.requests, hf_runs))
+    wanted = diverged or setup.teacher_forced == "always"
+    if wanted and not compare.exact_required(setup.dtype) and teacher_force is not None:
+        forced = teacher_force(ForcedPaths({tuple(r.prompt_ids): hf_ids
+                                            for r, (hf_ids, _) in zip(result.requests, hf_runs)}))
+    rows = [_compare_one(model, setup, r, hf_ids, hf_logits, forced)
+            for r, (hf_ids, hf_logits) in zip(result.requests, hf_runs)]
+    return {"match": all(r["verdict"] != "fail" for r in rows), "requests": rows}
 
 
-def _compare_one(model, setup: Setup, r: RequestResult) -> dict:
-    hf_ids = hf.hf_greedy(model, r.prompt_ids, setup.max_new_tokens)
-    gaps = hf.top2_gaps(hf.greedy_step_logits(model, r.prompt_ids, hf_ids))
-    mismatch = next((i for i, (a, b) in enumerate(zip(r.ids, hf_ids)) if a != b), None)
-    if mismatch is None and len(r.ids) != len(hf_ids):
-        mismatch = min(len(r.ids), len(hf_ids))
+def _compare_one(model, setup: Setup, r: RequestResult, hf_ids: list[int], hf_logits: torch.Tensor,
+                 forced: ForcedPaths | None) -> dict:
+    gaps = hf.top2_gaps(hf_logits)
+    forced_rows = forced.logits(r.prompt_ids) if forced is not None else None
+    if forced_rows is None and r.ids != hf_ids and not compare.exact_required(setup.dtype):
+        forced_rows = []  # no teacher forcing available: the divergence cannot be cleared
+    v = compare.verdict(setup.dtype, r.ids, hf_ids, hf_logits, forced_rows)
+    mismatch = v.first_mismatch
     row = {"label": r.label, "prompt_ids": r.prompt_ids, "ids": r.ids, "hf_ids": hf_ids,
            "match": mismatch is None, "first_mismatch": mismatch,
-           "min_top2_gap": float(gaps.min()),
-           "gap_at_mismatch": float(gaps[mismatch]) if mismatch is not None and mismatch < len(gaps) else None}
+           "verdict": v.kind, "verdict_reason": v.reason,
+           "min_top2_gap": float(gaps.min()) if len(gaps) else None,
+           "gap_at_mismatch": v.gap if v.gap is not None else
+           (float(gaps[mismatch]) if mismatch is not None and mismatch < len(gaps) else None)}
+    if v.forced_max_diff is not None:
+        row["teacher_forced_max_logit_diff"] = v.forced_max_diff
+        row["teacher_forced_max_spacings"] = v.forced_max_spacings
     if r.logits is not None:
         ref = hf.hf_logits(model, r.prompt_ids + r.ids[:-1])
         row["max_logit_diff"] = float((r.logits.float() - ref).abs().max())
@@ -326,9 +365,21 @@ def print_report(lesson: str, setup: Setup, report: dict, figures: dict) -> None
         print(f"     HF     {_verdict(row)}")
     for key, value in figures.items():
         print(f"{key}: {value}")
-    n_ok = sum(r["match"] for r in report["requests"])
-    word = "PASS" if report["match"] else "FAIL"
-    print(f"{word}: {n_ok}/{len(report['requests'])} requests equal HF's greedy ids")
+    print(summary_line(report["requests"]))
+
+
+def summary_line(rows: list[dict]) -> str:
+    """PASS/FAIL and the counts: equal ids, near-ties cleared by teacher forcing, failures."""
+    n_equal = sum(r["verdict"] == "equal" for r in rows)
+    ties = [(i, r) for i, r in enumerate(rows) if r["verdict"] == "near-tie"]
+    fails = [(i, r) for i, r in enumerate(rows) if r["verdict"] == "fail"]
+    line = f"{'FAIL' if fails else 'PASS'}: {n_equal}/{len(rows)} requests equal HF's greedy ids"
+    if ties:
+        where = "; ".join(f"[{i}] {r['verdict_reason']}" for i, r in ties)
+        line += f", {len(ties)} diverge at near-ties ({where}) and match HF teacher-forced"
+    if fails:
+        line += f"; {len(fails)} fail: " + "; ".join(f"[{i}] {r['verdict_reason']}" for i, r in fails)
+    return line
 
 
 def _show(row: dict, text_key: str, ids_key: str) -> str:
@@ -345,6 +396,6 @@ def _verdict(row: dict) -> str:
     i, gap = row["first_mismatch"], row["gap_at_mismatch"]
     hf_id = row["hf_ids"][i] if i < len(row["hf_ids"]) else "end"
     ours = row["ids"][i] if i < len(row["ids"]) else "end"
-    tie = f"; HF's top-2 gap there is {gap:.2g}" if gap is not None else ""
-    tie += " (a near tie: rounding, not necessarily a bug)" if gap is not None and gap < 1e-2 else ""
-    return f"MISMATCH at new token {i}: ours {ours}, HF {hf_id}; HF ids {row['hf_ids']}{tie}{extra}"
+    tie = f"; HF's gap between its id and ours there is {gap:.2g}" if gap is not None else ""
+    word = "NEAR-TIE" if row["verdict"] == "near-tie" else "MISMATCH"
+    return f"{word} at new token {i}: ours {ours}, HF {hf_id}; HF ids {row['hf_ids']}{tie}{extra}; {row['verdict_reason']}"

@@ -13,6 +13,7 @@ from harness.cli import starting  # noqa: E402
 with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
     import torch  # noqa: E402
 
+    from harness.forcing import force_contiguous  # noqa: E402
     from harness.smoke import LessonRun, RequestResult, run_smoke  # noqa: E402
     from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate  # noqa: E402
 
@@ -42,5 +43,14 @@ def run(args, setup) -> LessonRun:
                                "largest_cache_bytes": cache_bytes})
 
 
+def teacher_force(args, setup, paths):
+    """L1 has no runner to force: feed each request HF's ids through a contiguous cache instead."""
+    model = Qwen3ForCausalLM.from_pretrained(setup.model_dir, setup.dtype, setup.device)
+    for prompt, path in paths.paths.items():
+        for g, row in enumerate(force_contiguous(model, list(prompt), path)):
+            paths.rows[prompt][g].append(row)
+    return paths
+
+
 if __name__ == "__main__":
-    sys.exit(run_smoke(LESSON, __doc__, run, add_options))
+    sys.exit(run_smoke(LESSON, __doc__, run, add_options, teacher_force=teacher_force))

@@ -77,7 +77,7 @@ def run_script_json(name: str, argv: list[str], capsys) -> tuple[int, dict | Non
 
     module = load_script(name)
     status = run_smoke(module.LESSON, module.__doc__, module.run, getattr(module, "add_options", None),
-                       argv=argv + ["--json"])
+                       argv=argv + ["--json"], teacher_force=getattr(module, "teacher_force", None))
     out, err = capsys.readouterr()
     if status == 3:  # an internal error, e.g. a function not written yet: show where, not `3 != 0`
         tail = "\n".join(err.strip().splitlines()[-6:])
