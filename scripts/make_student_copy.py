@@ -20,7 +20,12 @@ nested fences stop the script with the file and line. The same tests then grade 
 work: in OUT_DIR, `make setup`, `source .venv/bin/activate`, then `pytest -m l1`.
 
 OUT_DIR may not be the repository, hold it, or lie inside it (unless git ignores it, as
-student-copy/); `--force` replaces only a folder this script made (it leaves `.student-copy` in it).
+student-copy/). The copy is built in a temporary folder beside OUT_DIR and renamed into place, so
+Ctrl-C or a full disk never leaves a half copy. `--force` updates a folder this script made (it
+leaves `.student-copy` in it, listing every file it wrote) in place: the files it wrote are
+replaced, files it wrote before and no longer writes are removed, and everything else (a `.git`
+the instructor made, files the instructor added) is kept; it refuses if one of those would be
+overwritten, and names it.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import ast
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +47,8 @@ LESSON_PACKAGES = {"l1_contiguous": "L1", "l2_paged": "L2", "l3_block_kernel": "
                    "l5_eviction": "L5", "l8_prefix": "L8", "l10_speculative": "L10",
                    "l11_serve": "L11"}
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
-MARKER = ".student-copy"  # written into every copy: --force replaces only a folder that has it
+MARKER = ".student-copy"  # written into every copy, with the files written: --force updates only those
+MARKER_HEADER = "made by scripts/make_student_copy.py; --force replaces the files listed below and keeps the rest\n"
 INSTRUCTOR_ONLY = ("instructor/",)  # path prefixes left out of the copy
 INSTRUCTOR_SECTION = "## For instructors"  # the README's section the copy's README leaves out
 # A test module marked `course` as a whole (the course's own checks: model files, the copy, the
@@ -153,8 +161,8 @@ def instructor_only(root: Path, rel: str) -> bool:
 
 
 def make_student_copy(root: Path, out_dir: Path, keep: frozenset[str] = frozenset()) -> list[Stubbed]:
-    """Copy `root` into `out_dir` (which must not exist) with solutions stripped, except those of
-    the lessons in `keep` ("L1", ...); return what was stubbed."""
+    """Copy `root` into `out_dir` (new or empty) with solutions stripped, except those of the
+    lessons in `keep` ("L1", ...); return what was stubbed. The marker lists every file written."""
     files = [rel for rel in repository_files(root) if not instructor_only(root, rel)]
     stubbed: list[Stubbed] = []
     planned: dict[str, str] = {}
@@ -182,8 +190,53 @@ def make_student_copy(root: Path, out_dir: Path, keep: frozenset[str] = frozense
             shutil.copymode(root / rel, dest)
         else:
             shutil.copy2(root / rel, dest)
-    (out_dir / MARKER).write_text("made by scripts/make_student_copy.py; --force may replace this folder\n")
+    write_marker(out_dir, files)
     return stubbed
+
+
+def write_marker(out_dir: Path, files: list[str]) -> None:
+    (out_dir / MARKER).write_text(MARKER_HEADER + "".join(f"{rel}\n" for rel in sorted(files)), encoding="utf-8")
+
+
+def written_files(out_dir: Path) -> set[str] | None:
+    """The files the marker says this script wrote; None for a marker of an older version, which
+    listed nothing (then only files the new copy writes are replaced)."""
+    lines = (out_dir / MARKER).read_text(encoding="utf-8").splitlines()
+    if not lines or not lines[0].startswith("made by scripts/make_student_copy.py; --force replaces"):
+        return None
+    return {line for line in lines[1:] if line}
+
+
+def existing_files(folder: Path) -> set[str]:
+    """Every file (and link) under `folder`, relative, `.git` left out."""
+    found = set()
+    for dirpath, dirnames, names in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not (Path(dirpath) == folder and d == ".git")]
+        found.update((Path(dirpath) / n).relative_to(folder).as_posix() for n in names)
+    return found - {MARKER}
+
+
+def update_in_place(new: Path, out_dir: Path) -> tuple[int, list[str], list[str]]:
+    """Move the freshly built copy `new` over `out_dir`, a copy made earlier: returns (files
+    replaced or added, files removed, files kept). Refuses (FenceError) before changing anything
+    if a file the script did not write would be overwritten."""
+    new_files = existing_files(new)
+    ours_before = written_files(out_dir)
+    present = existing_files(out_dir)
+    foreign = present - (ours_before if ours_before is not None else new_files)
+    clash = sorted(foreign & new_files)
+    if clash:
+        raise FenceError(f"{out_dir} holds {len(clash)} file(s) this script did not write at paths the copy "
+                         f"writes ({', '.join(clash[:3])}); move them away, then run again")
+    stale = sorted((ours_before or set()) - new_files)
+    write_marker(out_dir, sorted(new_files | set(stale)))  # a Ctrl-C from here on: a rerun still knows them
+    for rel in new_files:
+        (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(new / rel, out_dir / rel)
+    for rel in stale:
+        (out_dir / rel).unlink(missing_ok=True)
+    write_marker(out_dir, sorted(new_files))
+    return len(new_files), stale, sorted(foreign)
 
 
 def destination_problem(out_dir: Path, force: bool) -> str | None:
@@ -198,17 +251,19 @@ def destination_problem(out_dir: Path, force: bool) -> str | None:
         return f"{out_dir} is a file; choose a folder"
     if out_dir.exists() and any(out_dir.iterdir()):
         if not force:
-            return f"{out_dir} exists and is not empty; pass --force to replace it"
+            return f"{out_dir} exists and is not empty; pass --force to update it"
         if not (out_dir / MARKER).is_file():
             return (f"{out_dir} is not a student copy made by this script (it has no {MARKER}), so --force "
-                    f"will not delete it; delete it yourself or choose another folder")
+                    f"will not touch it; choose another folder")
     return None
 
 
 def _git_ignored(path: Path) -> bool:
+    """Would git ignore `path`, whether or not it exists yet? (A pattern ending in `/` matches only
+    an existing directory, so a folder not made yet is also asked about as `path/x`.)"""
     try:
-        return subprocess.run(["git", "-C", str(REPO_ROOT), "check-ignore", "-q", str(path)],
-                              capture_output=True).returncode == 0
+        return any(subprocess.run(["git", "-C", str(REPO_ROOT), "check-ignore", "-q", "--no-index", str(p)],
+                                  capture_output=True).returncode == 0 for p in (path, path / "x"))
     except OSError:  # no git: nothing inside the repository is known to be safe
         return False
 
@@ -227,7 +282,7 @@ def student_readme(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", help="folder to create")
-    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument("--force", action="store_true", help="update OUT_DIR in place if this script made it (keeps .git and files it did not write)")
     parser.add_argument("--keep", default="", metavar="L1,L2",
                         help="lessons whose solutions stay in the copy (e.g. to check the grading)")
     args = parser.parse_args(argv)
@@ -240,13 +295,41 @@ def main(argv: list[str] | None = None) -> int:
     if problem := destination_problem(out_dir, args.force):
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if out_dir.exists() and any(out_dir.iterdir()):
-        shutil.rmtree(out_dir)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cleans up like Ctrl-C
     try:
-        stubbed = make_student_copy(REPO_ROOT, out_dir, keep)
+        return build(out_dir, keep)
+    except KeyboardInterrupt:
+        print(f"error: interrupted; {out_dir} is as it was (or, during an update, each file whole: run "
+              f"again with --force to finish)", file=sys.stderr)
+        return 2
     except FenceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"error: {exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}; "
+              f"{out_dir} is as it was: free some space or fix the permissions, then run again", file=sys.stderr)
+        return 2
+
+
+def build(out_dir: Path, keep: frozenset[str]) -> int:
+    """Build the copy in a temporary folder beside `out_dir`, then rename it into place (a new or
+    empty `out_dir`) or update `out_dir` in place (a copy made before)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        stubbed = make_student_copy(REPO_ROOT, tmp, keep)
+        if out_dir.exists() and any(out_dir.iterdir()):
+            replaced, removed, kept = update_in_place(tmp, out_dir)
+            print(f"updated {out_dir} in place: {replaced} files written, {len(removed)} removed (written by an "
+                  f"earlier copy, gone now), {len(kept)} kept (not written by this script"
+                  f"{': ' + ', '.join(kept[:3]) + (', ...' if len(kept) > 3 else '') if kept else ''})"
+                  f"{'; .git kept' if (out_dir / '.git').exists() else ''}")
+        else:
+            if out_dir.exists():
+                out_dir.rmdir()
+            os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     total = sum(s.regions for s in stubbed)
     for s in stubbed:
         print(f"stubbed {s.path}: {s.regions} region{'s' if s.regions != 1 else ''}")

@@ -286,3 +286,78 @@ def test_make_student_copy_force_deletes_only_a_copy_it_made(tmp_path):
     done = _student_copy(str(mine), "--force")
     assert done.returncode == 2 and "not a student copy" in done.stderr and done.stderr.count("\n") == 1
     assert (mine / "thesis.tex").read_text() == "years of work"
+
+
+def test_make_student_copy_force_updates_in_place_keeping_git_and_the_instructors_files(tmp_path):
+    """A copy turned into a repository, with files the instructor added: --force (what `make
+    student-copy` always passes) replaces only the files it wrote, and says what it kept."""
+    copy = tmp_path / "copy"
+    assert _student_copy(str(copy)).returncode == 0
+    subprocess.run(["git", "init", "-q", str(copy)], check=True)
+    (copy / "NOTES-for-TAs.md").write_text("week 3: grade L2 by hand")
+    (copy / "lessons" / "L2-paged.md").write_text("edited by hand")  # a file the script wrote
+    (copy / "old-file-the-script-wrote.txt").write_text("x")
+    marker = copy / ".student-copy"
+    marker.write_text(marker.read_text() + "old-file-the-script-wrote.txt\n")
+    done = _student_copy(str(copy), "--force")
+    assert done.returncode == 0, done.stderr
+    assert (copy / ".git" / "HEAD").is_file()
+    assert (copy / "NOTES-for-TAs.md").read_text() == "week 3: grade L2 by hand"
+    assert (copy / "lessons" / "L2-paged.md").read_text() == (ROOT / "lessons" / "L2-paged.md").read_text()
+    assert not (copy / "old-file-the-script-wrote.txt").exists()
+    assert "updated" in done.stdout and "NOTES-for-TAs.md" in done.stdout and ".git kept" in done.stdout
+    assert not list(tmp_path.glob(".copy.partial-*"))
+
+
+def test_make_student_copy_refuses_to_overwrite_a_file_it_did_not_write(tmp_path):
+    copy = tmp_path / "copy"
+    assert _student_copy(str(copy)).returncode == 0
+    marker = copy / ".student-copy"
+    lines = marker.read_text().splitlines()
+    marker.write_text("\n".join(line for line in lines if line != "README.md") + "\n")  # README: now foreign
+    (copy / "README.md").write_text("the instructor's own README")
+    done = _student_copy(str(copy), "--force")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "README.md" in done.stderr
+    assert (copy / "README.md").read_text() == "the instructor's own README"
+
+
+def test_make_student_copy_interrupted_leaves_no_half_copy(tmp_path):
+    """SIGTERM (as Ctrl-C) while copying: no OUT_DIR, no temporary folder left, exit 2; a full disk
+    the same. The copy is built beside OUT_DIR and renamed into place only when whole."""
+    copy = tmp_path / "copy"
+    code = ("import os, signal, shutil, sys, runpy\n"
+            "real = shutil.copy2\ncount = [0]\n"
+            "def slow(*a, **k):\n"
+            "    count[0] += 1\n"
+            "    if count[0] == 20: os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return real(*a, **k)\n"
+            "shutil.copy2 = slow\n"
+            f"sys.argv = ['make_student_copy.py', {str(copy)!r}]\n"
+            "runpy.run_path('scripts/make_student_copy.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "interrupted" in done.stderr
+    assert not copy.exists() and list(tmp_path.iterdir()) == []
+    full = ("import errno, shutil, sys, runpy\n"
+            "def full(*a, **k): raise OSError(errno.ENOSPC, 'No space left on device', a[1])\n"
+            "shutil.copy2 = full\n"
+            f"sys.argv = ['make_student_copy.py', {str(copy)!r}]\n"
+            "runpy.run_path('scripts/make_student_copy.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", full], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "No space left" in done.stderr
+    assert not copy.exists() and list(tmp_path.iterdir()) == []
+    assert _student_copy(str(copy), "--force").returncode == 0 and (copy / ".student-copy").is_file()
+
+
+def test_make_student_copy_default_destination_from_a_fresh_clone(tmp_path):
+    """`make student-copy`'s command in a fresh clone: student-copy/ does not exist yet, and git
+    must still see it as ignored."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    for rel in ("scripts/make_student_copy.py", ".gitignore"):  # this tree's versions, committed or not
+        (clone / rel).write_text((ROOT / rel).read_text())
+    done = subprocess.run([sys.executable, "scripts/make_student_copy.py", "student-copy", "--force"], cwd=clone,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (clone / "student-copy" / ".student-copy").is_file()
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
+    assert "student-copy" not in status, status
