@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from .cli import OneLineParser, positive_ints
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -170,7 +172,7 @@ def bench_parser(description: str, repeat: int = 3) -> argparse.ArgumentParser:
     """The options every lesson benchmark shares; each script adds its workload's own."""
     from harness.smoke import DEFAULT_MODEL, DTYPES
 
-    p = argparse.ArgumentParser(description=description)
+    p = OneLineParser(description=description)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
@@ -339,6 +341,26 @@ def markdown_table(rows: list[dict], columns: list[str], floatfmt: str = ".2f") 
     return "\n".join(lines)
 
 
+# Options that count something: each must be at least 1 wherever a bench has it.
+COUNT_OPTIONS = ["repeat", "requests", "k", "batch", "max_new_tokens", "threads", "block_size", "num_prompts",
+                 "prompt_len", "repeat_06b", "requests_06b", "new_06b", "rounds", "num_blocks", "prefill_chunk",
+                 "tail_len", "prefix_len", "layers_06b", "layers"]
+
+
+def check_bench_args(args: argparse.Namespace, parser: argparse.ArgumentParser, max_layers: int = 28) -> argparse.Namespace:
+    """The door of every bench, before any work: counts >= 1, 0.6B layers within the model's 28,
+    output paths writable regular files (`checked_output_path`). One line and exit 2 otherwise."""
+    positive_ints(args, COUNT_OPTIONS, parser.error)
+    for name in ("layers_06b", "layers"):
+        if getattr(args, name, None) is not None and getattr(args, name) > max_layers:
+            parser.error(f"--{name.replace('_', '-').replace('06b', '0.6b')} must be at most {max_layers} "
+                         f"(Qwen3-0.6B's layers), got {getattr(args, name)}")
+    for name in ("json", "markdown"):
+        if getattr(args, name, None):
+            checked_output_path(getattr(args, name), f"--{name}")
+    return args
+
+
 def checked_output_path(path: str, option: str) -> None:
     """Refuse, before any work, an output path a bench could not write at the end: SystemExit(2)
     with one line. A new file needs an existing, writable folder; an existing one must be a
@@ -350,7 +372,8 @@ def checked_output_path(path: str, option: str) -> None:
     folder = target.parent if str(target.parent) else Path(".")
     if target.exists() and not target.is_file():
         why = "a directory" if target.is_dir() else "not a regular file"
-        _refuse(f"{option} {path}: {why}; give a file path, e.g. {option} results.{'md' if 'markdown' in option else 'json'}")
+        example = {"--markdown": "results.md", "zip_path": "autograder.zip"}.get(option, "results.json")
+        _refuse(f"{option} {path}: {why}; give a file path, e.g. {example}")
     if not folder.is_dir():
         _refuse(f"{option} {path}: the folder {folder} does not exist; create it or choose another path")
     if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):

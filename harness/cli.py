@@ -1,4 +1,4 @@
-"""What a smoke script needs before its heavy imports (torch, transformers): nothing heavy itself.
+"""What every script needs before its heavy imports (torch, transformers): nothing heavy itself.
 
 `starting()` wraps those imports, which take a second or more. A Ctrl-C then ends the process at
 once with one line and exit 2 (the contract's "bad input or environment"), not a traceback and 130:
@@ -7,10 +7,14 @@ raising KeyboardInterrupt inside an extension's import can abort the interpreter
 
 from __future__ import annotations
 
+import argparse
+import errno
 import os
 import signal
 import sys
+import traceback
 from contextlib import contextmanager
+from typing import Callable
 
 
 def _exit_interrupted(signum, frame) -> None:
@@ -25,3 +29,58 @@ def starting():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors on one line (`error: ... (see --help)`), exit 2."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOMEM}
+
+
+def run_main(main: Callable[[], int | None], what: str = "nothing was written") -> int:
+    """Run a script's `main` under the exit-code contract: its status; on Ctrl-C (or SIGTERM) one
+    line and 2; a full disk or a permission problem one line and 2; a closed stdout quietly;
+    any other exception its traceback and 3 (a bug)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        status = main()
+        sys.stdout.flush()
+        return status or 0
+    except KeyboardInterrupt:
+        _quiet_stdout()
+        print(f"error: interrupted (Ctrl-C); {what}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 0
+    except OSError as exc:
+        if exc.errno not in ENVIRONMENT_ERRNOS:
+            traceback.print_exception(exc)
+            return 3
+        _quiet_stdout()
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"error: {exc.strerror}{where}; free some space or fix the permissions, then run again",
+              file=sys.stderr)
+        return 2
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's own flush at exit cannot fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
+def positive_ints(args, names: list[str], parser_error: Callable[[str], None]) -> None:
+    """Every option in `names` that is set must be an int >= 1."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            parser_error(f"--{name.replace('_', '-')} must be at least 1, got {value}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.cli import starting  # noqa: E402
+from harness.cli import OneLineParser, run_main, starting  # noqa: E402
 
 with starting():
     import argparse  # noqa: E402
@@ -30,7 +30,7 @@ with starting():
     import time  # noqa: E402
 
     from harness import compare  # noqa: E402
-    from harness.benchmark import checked_output_path, markdown_table, print_table, replace_section  # noqa: E402
+    from harness.benchmark import check_bench_args, markdown_table, print_table, replace_section  # noqa: E402
     from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
     from harness.smoke import DEFAULT_MODEL  # noqa: E402
 
@@ -44,7 +44,7 @@ SHAPE_PROMPTS = [[(7 * i + 3 * j) % 150000 + 100 for j in range(n)] for i, n in 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--lessons", default=",".join(LESSONS), help="comma-separated (default: all)")
@@ -53,17 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=28, help="layers of the 0.6B-shaped model (default 28)")
     p.add_argument("--max-new-tokens", type=int, default=20)
     p.add_argument("--markdown", default=None, help="rewrite this file's bf16 section (docs/benchmarks.md)")
-    args = p.parse_args(argv)
+    args = check_bench_args(p.parse_args(argv), p)
     lessons = [x for x in args.lessons.replace(" ", "").split(",") if x]
     unknown = [x for x in lessons if x not in LESSONS]
     if unknown or not lessons:
         p.error(f"--lessons {','.join(unknown) or '(empty)'}: choose from {','.join(LESSONS)}")
-    if not 1 <= args.layers <= 28:
-        p.error(f"--layers must be 1..28, got {args.layers}")
-    if args.max_new_tokens < 1:
-        p.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.markdown:
-        checked_output_path(args.markdown, "--markdown")
     args.lessons = lessons
     return args
 
@@ -130,8 +124,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("error: interrupted (Ctrl-C); nothing was written", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_main(main))

@@ -20,10 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.cli import OneLineParser, run_main  # noqa: E402
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from harness.benchmark import print_table  # noqa: E402
+from harness.benchmark import check_bench_args, print_table  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B  # noqa: E402
 from l5_eviction.fast_linear import PackedLinear, onednn_product  # noqa: E402
 
@@ -42,11 +44,11 @@ def methods(weight: torch.Tensor) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,4,6,32", help="row counts, comma-separated (default 1,2,4,6,32)")
     p.add_argument("--repeat", type=int, default=5, help="rounds, best kept (default 5)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    args = p.parse_args(argv)
+    args = check_bench_args(p.parse_args(argv), p)
     try:
         rows = [int(r) for r in args.rows.split(",")]
     except ValueError:
@@ -79,4 +81,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

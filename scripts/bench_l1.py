@@ -26,10 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.cli import OneLineParser, run_main  # noqa: E402
+
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import bench_parser, compare_phases, hf_generate, print_table, tokens_per_s  # noqa: E402
+from harness.benchmark import check_bench_args, write_text_atomic, bench_parser, compare_phases, hf_generate, print_table, tokens_per_s  # noqa: E402
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate, load_config  # noqa: E402
 
@@ -39,7 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt (>= 2)")
     p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
     p.add_argument("--num-prompts", type=int, default=3, help="how many prompts")
-    return p.parse_args(argv)
+    args = check_bench_args(p.parse_args(argv), p)
+    if args.max_new_tokens < 2:
+        p.error(f"--max-new-tokens must be at least 2 (a prefill and a decode step to time), got {args.max_new_tokens}")
+    return args
 
 
 def make_prompts(num: int, length: int, vocab_size: int) -> list[list[int]]:
@@ -130,10 +135,10 @@ def main(argv=None) -> int:
               "raise --repeat or --max-new-tokens")
     print(f"same greedy ids as HF: {'yes' if same_ids else 'no'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({**header, "same_ids": same_ids, "rows": rows}, indent=2) + "\n")
+        write_text_atomic(args.json, json.dumps({**header, "same_ids": same_ids, "rows": rows}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

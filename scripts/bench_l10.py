@@ -35,10 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.cli import OneLineParser, run_main  # noqa: E402
+
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (ModelCost, bench_command, best_of, hf_generate, load_average,  # noqa: E402
+from harness.benchmark import (check_bench_args, write_text_atomic, ModelCost, bench_command, best_of, hf_generate, load_average,  # noqa: E402
                                machine_line, markdown_table, measure_machine, padded_batch_steps, print_table,
                                record_forwards, replace_section)
 from harness.smoke import DEFAULT_MODEL, load_tokenizer  # noqa: E402
@@ -56,7 +58,7 @@ COLUMNS = ["workload", "system", "tokens/s", "speed-up", "forwards/token", "acce
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = OneLineParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeat", type=int, default=3, help="timed rounds, best kept (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a busy 2-core machine)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the rows to PATH")
@@ -67,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--layers-0.6b", dest="layers_06b", type=int, default=4)
     p.add_argument("--max-new-tokens-0.6b", dest="new_06b", type=int, default=32)
     p.add_argument("--skip-0.6b", dest="skip_06b", action="store_true")
-    return p.parse_args(argv)
+    return check_bench_args(p.parse_args(argv), p)
 
 
 # ---------------------------------------------------------------- systems: prompts -> (ids, stats)
@@ -254,7 +256,7 @@ def main(argv=None) -> int:
         rows += bench_06b(args)
     if args.json:
         import json
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        write_text_atomic(args.json, json.dumps(rows, indent=2))
     if args.markdown:
         text = (f"## L10: speculative decoding, and HF's prompt lookup and assistant model\n\n{machine_line(args.threads, load_at_start)}\n\n"
                 f"`{bench_command('bench_l10.py', sys.argv[1:] if argv is None else argv)}`: "
@@ -270,4 +272,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

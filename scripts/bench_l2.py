@@ -34,10 +34,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.cli import OneLineParser, run_main  # noqa: E402
+
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import bench_parser, hf_generate, print_table, timed, tokens_per_s  # noqa: E402
+from harness.benchmark import check_bench_args, write_text_atomic, bench_parser, hf_generate, print_table, timed, tokens_per_s  # noqa: E402
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from l1_contiguous import InputError, Qwen3ForCausalLM, greedy_generate, load_config  # noqa: E402
 from l2_paged import (BlockAllocator, KvPool, PagedRunner, Request, blocks_needed, bytes_per_block,  # noqa: E402
@@ -54,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and ids")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice; 1 is steadier on a busy shared CPU)")
-    return p.parse_args(argv)
+    return check_bench_args(p.parse_args(argv), p)
 
 
 def make_workload(num: int, vocab_size: int, seed: int) -> list[tuple[list[int], int]]:
@@ -209,11 +211,11 @@ def main(argv=None) -> int:
     print(f"\ndecode speed ({decode_tokens} decode tokens; same ids counted out of {len(work)})")
     print_table(speed, floatfmt=".2f")
     if args.json:
-        Path(args.json).write_text(json.dumps({**header, "lengths": [[len(p), n] for p, n in work],
+        write_text_atomic(args.json, json.dumps({**header, "lengths": [[len(p), n] for p, n in work],
                                                "memory": memory, "speed": speed}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -29,10 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.cli import OneLineParser, run_main  # noqa: E402
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from harness.benchmark import print_table  # noqa: E402
+from harness.benchmark import check_bench_args, write_text_atomic, print_table  # noqa: E402
 from harness.smoke import DTYPES, resolve_device  # noqa: E402
 from l1_contiguous import InputError  # noqa: E402
 from l3_block_kernel.paged_attention import SPLIT_K_PARTITION, heads_per_block, load_extension  # noqa: E402
@@ -49,7 +51,7 @@ PEAK_GBPS = [
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batches", default=None, help="comma list; default 1,8,32")
@@ -58,7 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=None, help="timed runs per measurement; default 20")
     p.add_argument("--peak-gbps", type=float, default=None, help="the device's peak memory bandwidth, GB/s")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the rows to PATH")
-    args = p.parse_args(argv)
+    args = check_bench_args(p.parse_args(argv), p)
+    if args.peak_gbps is not None and not args.peak_gbps > 0:
+        p.error(f"--peak-gbps must be a positive bandwidth in GB/s, got {args.peak_gbps}")
     args.device, args.dtype = resolve_device(args.device, args.dtype)
     on_cuda = args.device == "cuda"
     args.batches = _int_list(args.batches or "1,8,32", "--batches")
@@ -206,9 +210,9 @@ def main(argv=None) -> int:
     print(target_verdict(rows, args))
     if args.json:
         meta = {"device": name, "dtype": str(args.dtype), "block_size": args.block_size, "peak_gbps": peak}
-        Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=2))
+        write_text_atomic(args.json, json.dumps({**meta, "rows": rows}, indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

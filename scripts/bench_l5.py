@@ -64,10 +64,12 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.cli import OneLineParser, run_main  # noqa: E402
+
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (Machine, ModelCost, ServeRun, StepShape, bench_command, bench_parser,  # noqa: E402
+from harness.benchmark import (check_bench_args, write_text_atomic, Machine, ModelCost, ServeRun, StepShape, bench_command, bench_parser,  # noqa: E402
                                hf_continuous_config, hf_generate, load_average, machine_line, markdown_table,
                                best_of, measure_machine, padded_batch_steps, parse_batch_tokens, print_table, record_steps,
                                replace_section, serve_engine, serve_hf_continuous, timed, tokens_per_s)
@@ -138,7 +140,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: sweep prefill chunk + requests, 512, 1024)")
     p.add_argument("--markdown", metavar="PATH", default=None,
                    help="also write the tables as the `bench_l5` section of the markdown file PATH")
-    return p.parse_args(argv)
+    args = check_bench_args(p.parse_args(argv), p)
+    if args.skip_06b and args.only_06b:
+        p.error("--skip-0.6b and --only-0.6b together run nothing; give one of them")
+    return args
 
 
 def make_workload(shape: Shape, vocab_size: int, seed: int) -> list[WorkItem]:
@@ -499,10 +504,10 @@ def main(argv=None) -> int:
         replace_section(args.markdown, "bench_l5", markdown(results, command, header["load average"]))
         print(f"wrote the bench_l5 section of {args.markdown}")
     if args.json:
-        Path(args.json).write_text(json.dumps({**header, "models": results}, indent=2) + "\n")
+        write_text_atomic(args.json, json.dumps({**header, "models": results}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -50,10 +50,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.cli import OneLineParser, run_main  # noqa: E402
+
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (Machine, ModelCost, bench_command, bench_parser, best_of,  # noqa: E402
+from harness.benchmark import (check_bench_args, write_text_atomic, Machine, ModelCost, bench_command, bench_parser, best_of,  # noqa: E402
                                hf_continuous_config, load_average, machine_line, markdown_table, measure_machine,
                                parse_batch_tokens, print_table, record_steps, replace_section, serve_engine,
                                serve_hf_continuous)
@@ -88,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch CPU threads (default: 1 on cpu, torch's choice on cuda); see the notes above")
     p.add_argument("--markdown", metavar="PATH", default=None,
                    help="also write the tables as the `bench_l8` section of the markdown file PATH")
-    return p.parse_args(argv)
+    return check_bench_args(p.parse_args(argv), p)
 
 
 def check(args, cfg) -> None:
@@ -316,10 +318,10 @@ def main(argv=None) -> int:
         replace_section(args.markdown, "bench_l8", markdown(results, args, command, load_at_start))
         print(f"wrote the bench_l8 section of {args.markdown}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results}, indent=2, default=str) + "\n")
+        write_text_atomic(args.json, json.dumps({"results": results}, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

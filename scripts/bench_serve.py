@@ -37,9 +37,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.cli import OneLineParser, run_main  # noqa: E402
+
 import httpx  # noqa: E402
 
-from harness.benchmark import load_average, machine_line, markdown_table, print_table, replace_section  # noqa: E402
+from harness.benchmark import check_bench_args, load_average, machine_line, markdown_table, print_table, replace_section  # noqa: E402
 from harness.smoke import DEFAULT_MODEL  # noqa: E402
 from l11_serve.server import free_port  # noqa: E402
 
@@ -168,7 +170,7 @@ def summarize(results: list[dict], args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--rates", default="2,8", help="Poisson arrival rates, requests/s (default 2,8)")
     p.add_argument("--requests", type=int, default=32, help="requests per row (default 32)")
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
                    help="intra-op threads of each server, set as OMP_NUM_THREADS for both (default 1: the "
                         "client and each server's HTTP side share the machine's cores with it)")
     p.add_argument("--markdown", default=None, help="rewrite the bench_serve section of this file")
-    args = p.parse_args(argv)
+    args = check_bench_args(p.parse_args(argv), p)
     rates = [float(r) for r in args.rates.split(",")]
     names = args.workloads.split(",")
     if min(rates) <= 0 or min(args.requests, args.threads) < 1 or not set(names) <= {"shared", "mixed"}:
@@ -251,4 +253,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -56,13 +56,20 @@ def build(zip_path: Path, hidden_tests: Path, lessons: list[str], hidden_dir: Pa
         manifest = collect_manifest(copy, lessons)
         (copy / "grading_manifest.json").write_text(json.dumps(manifest, indent=1))
         files = sorted(p for p in copy.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-        with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as zf:
+        partial = Path(tmp) / "bundle.zip"  # moved over zip_path only when whole
+        with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as zf:
             for name in SCRIPTS:
                 info = zipfile.ZipInfo(name)
                 info.external_attr = EXECUTABLE
                 zf.writestr(info, (TEMPLATES / name).read_bytes(), zipfile.ZIP_DEFLATED)
             for path in files:
                 zf.write(path, path.relative_to(copy).as_posix())
+        beside = zip_path.with_name(f".{zip_path.name}.partial")  # the same file system as zip_path
+        try:
+            shutil.copyfile(partial, beside)
+            os.replace(beside, zip_path)
+        finally:
+            beside.unlink(missing_ok=True)
     return manifest
 
 
@@ -110,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if not hidden.is_file():
         print(f"error: {hidden} does not exist; pass --hidden-tests FILE", file=sys.stderr)
         return 2
+    from harness.benchmark import checked_output_path  # before 30 s of building, not after
+
+    checked_output_path(args.zip_path, "zip_path")
     manifest = build(Path(args.zip_path).resolve(), hidden, lessons, Path(args.hidden_tests_dir))
     points = {lesson: sum(t["points"] for t in manifest["tests"].values() if t["lesson"] == lesson) for lesson in lessons}
     print(f"wrote {args.zip_path}: grades {', '.join(f'{k} ({v:g} points)' for k, v in points.items())}, "
@@ -120,4 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(REPO_ROOT))
+    from harness.cli import run_main
+
+    sys.exit(run_main(main, "no bundle was written"))

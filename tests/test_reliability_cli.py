@@ -361,3 +361,60 @@ def test_make_student_copy_default_destination_from_a_fresh_clone(tmp_path):
     assert (clone / "student-copy" / ".student-copy").is_file()
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
     assert "student-copy" not in status, status
+
+
+# ---------------------------------------------------------------- the benches' door
+
+BENCH_BAD = [
+    ("bench_l10", ["--k", "0"]), ("bench_l10", ["--batch", "0"]), ("bench_l10", ["--max-new-tokens", "0"]),
+    ("bench_l10", ["--repeat", "0"]), ("bench_l10", ["--threads", "0"]),
+    ("bench_l5", ["--skip-0.6b", "--only-0.6b"]), ("bench_l5", ["--json", "/no/such/folder/x.json"]),
+    ("bench_l5", ["--json", "."]), ("bench_l10", ["--markdown", "/dev/full"]), ("bench_l8", ["--layers-0.6b", "40"]),
+    ("bench_l1", ["--max-new-tokens", "1"]), ("bench_serve", ["--rounds", "0"]), ("bench_head", ["--repeat", "0"]),
+    ("bench_l2", ["--requests", "0"]), ("bench_l3_kernel", ["--peak-gbps", "-1"]), ("bench_bf16", ["--layers", "0"]),
+    ("make_autograder", ["/no/such/folder/a.zip"]), ("make_autograder", ["/dev/full"]),
+]
+
+
+@pytest.mark.parametrize("script,argv", BENCH_BAD, ids=[f"{s} {' '.join(a)}" for s, a in BENCH_BAD])
+def test_benches_refuse_bad_options_at_the_door(script, argv):
+    """One line, exit 2, before any work (the whole run used to go first, then a traceback)."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, f"scripts/{script}.py", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_a_section_rewrite_never_leaves_a_cut_file(tmp_path, monkeypatch):
+    """--markdown FILE on a full disk: the old file stays whole and no temporary file is left."""
+    from harness import benchmark
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nkept text\n")
+    real_fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[:10])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(benchmark.os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode)))
+    with pytest.raises(OSError):
+        benchmark.replace_section(str(doc), "bench_x", "| a | b |")
+    assert doc.read_text() == "# Benchmarks\n\nkept text\n" and [p.name for p in tmp_path.iterdir()] == [doc.name]
+    monkeypatch.undo()
+    benchmark.replace_section(str(doc), "bench_x", "| a | b |")
+    assert "kept text" in doc.read_text() and "| a | b |" in doc.read_text()
+    with pytest.raises(OSError, match="not a regular file"):
+        benchmark.replace_section("/dev/full", "bench_x", "x")  # never read endlessly
