@@ -37,6 +37,10 @@ $(addprefix smoke-,$(LESSONS)): smoke-%: setup   ## one lesson's smoke script: m
 $(addprefix check-,$(LESSONS)): check-%: setup   ## one lesson's graded tests without its notebook
 	COURSE_QUICK=1 $(PY) -m pytest --graded-only -m "$* and not notebook" tests/test_$*_*.py
 
+# Any other lesson name: say which exist instead of make's "No rule to make target".
+check-% smoke-%:
+	@echo "make: no lesson '$*' here; lessons: $(LESSONS) (e.g. make $(firstword $(subst -, ,$@))-$(firstword $(LESSONS)))" >&2; exit 2
+
 notebooks: setup    ## every notebook run from top to bottom (also part of `make test`)
 	$(PY) -m pytest -m notebook
 

@@ -110,6 +110,10 @@ class PagedRunner:
     def check_requests(self, reqs: list[Request]) -> None:
         """InputError naming the request and the bad value, before any block is taken."""
         cfg = self.model.config
+        twice = next((r for i, r in enumerate(reqs) if any(r is s for s in reqs[:i])), None)
+        if twice is not None:
+            raise InputError(f"request {twice.request_id} is listed twice; pass each Request once "
+                             f"(for two samples of one prompt, make two Requests)")
         for req in reqs:
             who, ids, n = f"request {req.request_id}", req.prompt_ids, req.max_new_tokens
             if not isinstance(ids, list) or not ids or not all(_is_id(i, cfg.vocab_size) for i in ids):

@@ -65,6 +65,7 @@ DEFAULT_PREFILL_CHUNK = 256
 # Priorities are added to fractions in ScorePolicy's float score: beyond 1e9 those fractions stop
 # counting (a float64 keeps about 16 digits).
 MAX_PRIORITY = 10**9
+MAX_ARRIVAL_STEP = 10**9  # a step number; past this a workload could not finish in any test or run
 
 
 class Engine:
@@ -137,8 +138,9 @@ class Engine:
                 or not -MAX_PRIORITY <= item.priority <= MAX_PRIORITY:  # NaN fails this too
             raise InputError(f"{who}: priority must be a number from -10**9 to 10**9 (a policy weighs it "
                              f"in a float score), got {short_repr(item.priority)}")
-        if not _is_int(item.arrival_step) or item.arrival_step < 0:
-            raise InputError(f"{who}: arrival_step must be an int >= 0, got {item.arrival_step!r}")
+        if not _is_int(item.arrival_step) or not 0 <= item.arrival_step <= MAX_ARRIVAL_STEP:
+            raise InputError(f"{who}: arrival_step must be an int from 0 to 10**9 (a step number), "
+                             f"got {short_repr(item.arrival_step)}")
 
     def abort(self, request_id: int) -> None:
         """Finish a request now (finish_reason "aborted"), freeing what it holds; all or nothing."""
@@ -269,13 +271,17 @@ class Engine:
         return any(r.state is not State.FINISHED for r in self.requests.values())
 
     def run(self, workload: list[WorkItem] = (), max_steps: int = 100_000) -> dict[int, EngineRequest]:
+        """Add `workload`, then step until every request is finished. `max_steps` counts steps
+        taken (idle stretches before a late arrival are skipped, not counted)."""
         for item in workload:
             self.add_request(item)
+        taken = 0
         while self.has_unfinished():
             self._skip_idle_steps()
-            if self.now >= max_steps:
+            if taken >= max_steps:
                 raise RuntimeError(f"workload not finished after {max_steps} steps")
             self.step()
+            taken += 1
         return self.requests
 
     def _skip_idle_steps(self) -> None:
@@ -346,11 +352,30 @@ def generated_ids(requests: dict[int, EngineRequest]) -> dict[int, list[int]]:
     return {i: r.output_ids for i, r in requests.items()}
 
 
+def available_host_memory() -> int | None:
+    """Bytes of memory the machine can still give (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def make_engine(model, num_blocks: int, block_size: int = 16, engine_cls: type[Engine] = Engine,
                 **kwargs) -> Engine:
     """Pool, allocator (`engine_cls.allocator_cls`) and engine in one call; InputError for a pool
     that cannot exist (a size that is not a positive int, or more bytes than the device has)."""
     check_pool_shape(num_blocks, block_size)
+    need = num_blocks * block_size * model.config.kv_bytes_per_token(model.dtype.itemsize)
+    free = available_host_memory()
+    if model.device.type == "cpu" and free is not None and need > free:
+        # torch.empty would succeed (pages are only reserved), and the run would die or swap later
+        raise InputError(f"a pool of {num_blocks:,} blocks of {block_size} tokens needs {need / 2**30:,.1f} GiB, "
+                         f"more than the {free / 2**30:,.1f} GiB of memory available; ask for fewer blocks "
+                         f"(or fewer requests and samples)")
     try:
         pool = BlockKvPool(model.config, num_blocks, block_size, model.dtype, model.device)
     except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError

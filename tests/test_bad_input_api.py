@@ -62,6 +62,7 @@ BAD_ITEMS = {
     "priority NaN": item(priority=math.nan),
     "arrival_step negative": item(arrival_step=-1),
     "arrival_step a float": item(arrival_step=1.5),
+    "arrival_step past 10**9": item(arrival_step=10**20),  # run() used to fail 100,000 steps later
     "stop id past the vocabulary": item(stop_token_ids=(VOCAB + 5,)),
 }
 BAD_SAMPLES = {
@@ -226,6 +227,42 @@ L2_BAD = {  # name: Request fields
     "max_new_tokens a float": dict(prompt_ids=[1, 2], max_new_tokens=2.0),
     "past the model's positions": dict(prompt_ids=[1, 2], max_new_tokens=10**6),
 }
+
+
+def test_l2_generate_refuses_a_request_listed_twice(tiny_model_dir):
+    from l2_paged import KvPool, PagedRunner, Request, load_paged_model
+
+    model = load_paged_model(tiny_model_dir)
+    alloc = BlockAllocator(16, 4)
+    runner = PagedRunner(model, KvPool(model.config, 16, 4, model.dtype, model.device), alloc)
+    req = Request(list(GOOD.prompt_ids), GOOD.max_new_tokens, request_id=7)
+    with pytest.raises(InputError, match="request 7 is listed twice") as exc_info:
+        runner.generate([req, req])
+    one_line(exc_info)
+    assert alloc.num_free == 16 and req.cur_len == 0 and req.output_ids == []
+    runner.generate([req])
+    assert req.output_ids == hf_alone(tiny_model_dir, GOOD) and alloc.num_free == 16
+
+
+def test_a_late_arrival_within_the_bound_is_not_counted_as_steps(model, tiny_model_dir):
+    """Idle steps before an arrival are skipped: an arrival at step 10**9 finishes in a few steps."""
+    engine = make_engine(model, 64, 4)
+    engine.add_request(WorkItem(list(GOOD.prompt_ids), GOOD.max_new_tokens, arrival_step=10**9))
+    engine.run(max_steps=200)
+    assert engine.requests[0].output_ids == hf_alone(tiny_model_dir, GOOD)
+
+
+def test_a_pool_larger_than_the_machines_memory_is_refused_before_allocating(model):
+    """torch.empty would hand out address space and the run would die later (l8_smoke --n 1000000)."""
+    from l5_eviction.engine import available_host_memory
+
+    free = available_host_memory()
+    if free is None:
+        pytest.skip("no /proc/meminfo here")
+    per_block = 4 * model.config.kv_bytes_per_token(4)
+    with pytest.raises(InputError, match="GiB of memory available") as exc_info:
+        make_engine(model, free // per_block + 1, 4)
+    one_line(exc_info)
 
 
 @pytest.mark.parametrize("name", list(L2_BAD))

@@ -70,6 +70,7 @@ OPTION_CASES = [
     ("l8_smoke", ["--num-blocks", "1", *LONG]),
     ("l8_smoke", ["--n", "0", *SHORT]),
     ("l8_smoke", ["--n=-2", *SHORT]),
+    ("l8_smoke", ["--n", "1000000", *SHORT]),  # a pool of 2 million blocks: more than the memory
     ("l8_smoke", ["--prefill-chunk", "0", *SHORT]),
     ("l8_smoke", ["--prefix-sharing", "maybe", *SHORT]),
     ("l8_smoke", ["--arrivals", "never", *SHORT]),

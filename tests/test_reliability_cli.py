@@ -418,3 +418,10 @@ def test_a_section_rewrite_never_leaves_a_cut_file(tmp_path, monkeypatch):
     assert "kept text" in doc.read_text() and "| a | b |" in doc.read_text()
     with pytest.raises(OSError, match="not a regular file"):
         benchmark.replace_section("/dev/full", "bench_x", "x")  # never read endlessly
+
+
+@pytest.mark.parametrize("target", ["check-L2", "check-l4", "smoke-l4"])
+def test_make_names_the_lessons_for_an_unknown_one(target):
+    done = subprocess.run(["make", "-s", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "No rule" not in done.stderr
+    assert "no lesson" in done.stderr and "l1" in done.stderr and "l11" in done.stderr
