@@ -335,7 +335,7 @@ def _compare_one(model, setup: Setup, r: RequestResult, hf_ids: list[int], hf_lo
     forced_rows = forced.logits(r.prompt_ids) if forced is not None else None
     if forced_rows is None and r.ids != hf_ids and not compare.exact_required(setup.dtype):
         forced_rows = []  # no teacher forcing available: the divergence cannot be cleared
-    v = compare.verdict(setup.dtype, r.ids, hf_ids, hf_logits, forced_rows)
+    v = compare.verdict(setup.dtype, r.ids, hf_ids, hf_logits, forced_rows, setup.cfg.num_hidden_layers)
     mismatch = v.first_mismatch
     row = {"label": r.label, "prompt_ids": r.prompt_ids, "ids": r.ids, "hf_ids": hf_ids,
            "match": mismatch is None, "first_mismatch": mismatch,

@@ -110,10 +110,11 @@ def main(argv=None) -> int:
     print()
     print_table(rows, COLUMNS, floatfmt=".3g")
     rule = (f"Rule (harness/compare.py): ids equal, or the first divergence is a near-tie (each side's id in "
-            f"the other's top {compare.TOP_FEW}, both gaps <= {compare.TIE_SPACINGS:g} spacings) and every "
-            f"teacher-forced row within {compare.LOGIT_SPACINGS:g} spacings of HF's, picking HF's id wherever "
-            f"HF's top-2 gap exceeds the tie bound. Model {DEFAULT_MODEL.name} unless named; "
-            f"{args.device}, {args.dtype}.")
+            f"the other's top {compare.TOP_FEW}, both gaps within {compare.TIE_FACTOR:g}x the logit bound) and "
+            f"every teacher-forced row within the logit bound of HF's ({compare.LOGIT_SPACINGS_PER_SQRT_LAYER:g} "
+            f"x sqrt(layers) spacings: {compare.logit_spacings(4):g} at 4 layers, {compare.logit_spacings(28):.1f} "
+            f"at 28), picking HF's id wherever HF's top-2 gap exceeds the tie bound. 'in spacings': the largest "
+            f"teacher-forced difference over every row of every request. {args.device}, {args.dtype}.")
     print(rule)
     if args.markdown:
         text = (f"`python scripts/bench_bf16.py{' --shape-0.6b --layers ' + str(args.layers) if args.shape_06b else ''}"

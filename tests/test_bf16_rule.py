@@ -38,8 +38,8 @@ def test_spacing_is_the_formats_resolution():
 
 def test_float32_owes_equal_ids():
     logits = torch.zeros(3, 8)
-    assert compare.verdict(torch.float32, [1, 2, 3], [1, 2, 3], logits, None).kind == "equal"
-    assert compare.verdict(torch.float32, [1, 2, 4], [1, 2, 3], logits, None).kind == "fail"
+    assert compare.verdict(torch.float32, [1, 2, 3], [1, 2, 3], logits, None, 4).kind == "equal"
+    assert compare.verdict(torch.float32, [1, 2, 4], [1, 2, 3], logits, None, 4).kind == "fail"
 
 
 def _rows(winner: list[int], gap: float, vocab: int = 8, top: float = 10.0) -> torch.Tensor:
@@ -51,16 +51,16 @@ def _rows(winner: list[int], gap: float, vocab: int = 8, top: float = 10.0) -> t
 
 def test_a_divergence_passes_only_at_a_near_tie_with_the_forced_path_close():
     hf_ids, ours = [1, 2, 3], [1, 2, 4]
-    tol = compare.logit_tolerance(torch.bfloat16, torch.tensor([10.0]))
-    tie = compare.tie_bound(torch.bfloat16, torch.tensor([10.0]))
+    tol = compare.logit_tolerance(torch.bfloat16, torch.tensor([10.0]), 4)
+    tie = compare.tie_bound(torch.bfloat16, torch.tensor([10.0]), 4)
     hf = _rows(hf_ids, tol / 2)  # at position 2, HF's 3 leads 4 by half the logit tolerance
     forced = [[hf[0]], [hf[1]], [hf[2] + torch.eye(8)[4] * tol * 0.75]]  # ours: 4 slightly ahead
-    assert compare.verdict(torch.bfloat16, ours, hf_ids, hf, forced).kind == "near-tie"
+    assert compare.verdict(torch.bfloat16, ours, hf_ids, hf, forced, 4).kind == "near-tie"
     far = _rows(hf_ids, 4 * tie)
-    assert compare.verdict(torch.bfloat16, ours, hf_ids, far, [[r] for r in far]).kind == "fail"
+    assert compare.verdict(torch.bfloat16, ours, hf_ids, far, [[r] for r in far], 4).kind == "fail"
     # the same near-tie, but a later forced row far from HF's: a bug after the tie
     bad = [[hf[0]], [hf[1] + 5.0 * torch.eye(8)[0]], [forced[2][0]]]
-    v = compare.verdict(torch.bfloat16, ours, hf_ids, hf, bad)
+    v = compare.verdict(torch.bfloat16, ours, hf_ids, hf, bad, 4)
     assert v.kind == "fail" and "teacher-forced, new token 1" in v.reason
 
 
@@ -69,10 +69,10 @@ def test_ours_must_rank_hfs_id_among_its_top_few():
     hf = _rows(hf_ids, 0.0)  # HF: 5 and 6 tie at 10
     close = hf[0].clone()
     close[6] += 0.0625  # ours: 6 one spacing ahead, 5 second
-    assert compare.verdict(torch.bfloat16, ours, hf_ids, hf, [[close]]).kind == "near-tie"
+    assert compare.verdict(torch.bfloat16, ours, hf_ids, hf, [[close]], 4).kind == "near-tie"
     far = close.clone()
     far[5] = -50.0  # HF's id nowhere near our top
-    v = compare.verdict(torch.bfloat16, ours, hf_ids, hf, [[far]])
+    v = compare.verdict(torch.bfloat16, ours, hf_ids, hf, [[far]], 4)
     assert v.kind == "fail" and "not among our top" in v.reason
 
 
@@ -86,7 +86,7 @@ def test_the_l8_workload_passes_in_bf16_with_near_ties(capsys):
     assert "near-tie" in kinds and "fail" not in kinds, kinds  # the tie is real, and cleared
     for row in report["requests"]:
         if row["verdict"] == "near-tie":
-            assert row["teacher_forced_max_spacings"] <= compare.LOGIT_SPACINGS
+            assert row["teacher_forced_max_spacings"] <= compare.logit_spacings(4)
 
 
 # ---------------------------------------------------------------- planted bugs fail
