@@ -31,11 +31,35 @@ def starting():
         signal.signal(signal.SIGINT, previous)
 
 
+def sane_streams() -> None:
+    """Make printing safe whatever the caller did: a closed stdout or stderr (`>&-`) becomes
+    /dev/null (the exit status still tells the result), and characters the terminal's encoding
+    lacks (PYTHONIOENCODING=ascii) are escaped instead of raising UnicodeEncodeError."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None:
+            setattr(sys, name, open(os.devnull, "w"))
+        elif hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                pass
+
+
+def say_error(message: str) -> None:
+    """`error: message` on stderr; if even that fails (stderr on a full disk), stay silent: the
+    exit status still says 2."""
+    try:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse with its errors on one line (`error: ... (see --help)`), exit 2."""
 
     def error(self, message):
-        print(f"error: {message} (see --help)", file=sys.stderr)
+        say_error(f"{message} (see --help)")
         raise SystemExit(2)
 
 
@@ -46,6 +70,7 @@ def run_main(main: Callable[[], int | None], what: str = "nothing was written") 
     """Run a script's `main` under the exit-code contract: its status; on Ctrl-C (or SIGTERM) one
     line and 2; a full disk or a permission problem one line and 2; a closed stdout quietly;
     any other exception its traceback and 3 (a bug)."""
+    sane_streams()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -54,7 +79,7 @@ def run_main(main: Callable[[], int | None], what: str = "nothing was written") 
         return status or 0
     except KeyboardInterrupt:
         _quiet_stdout()
-        print(f"error: interrupted (Ctrl-C); {what}", file=sys.stderr)
+        say_error(f"interrupted (Ctrl-C); {what}")
         return 2
     except BrokenPipeError:
         _quiet_stdout()
@@ -65,8 +90,7 @@ def run_main(main: Callable[[], int | None], what: str = "nothing was written") 
             return 3
         _quiet_stdout()
         where = f" ({exc.filename})" if exc.filename else ""
-        print(f"error: {exc.strerror}{where}; free some space or fix the permissions, then run again",
-              file=sys.stderr)
+        say_error(f"{exc.strerror}{where}; free some space or fix the permissions, then run again")
         return 2
 
 

@@ -27,6 +27,7 @@ from l1_contiguous.errors import ModelLoadError
 from l1_contiguous.config import Qwen3Config
 
 from . import compare
+from .cli import sane_streams, say_error
 from . import hf_reference as hf
 from .forcing import ForcedPaths, forcing
 
@@ -85,7 +86,7 @@ class _Parser(argparse.ArgumentParser):
         hint = ""
         if "expected one argument" in message and any(a.startswith("-") and a[1:2].isdigit() for a in sys.argv):
             hint = "; a value starting with '-' needs '=', e.g. --prompt-ids=-1,2"
-        print(f"error: {message}{hint} (see --help)", file=sys.stderr)
+        say_error(f"{message}{hint} (see --help)")
         raise SystemExit(2)
 
 
@@ -133,6 +134,11 @@ def resolve(args: argparse.Namespace) -> Setup:
 
 
 def resolve_model_dir(arg: str) -> Path:
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError:  # a byte that is not UTF-8 in the path: tokenizers and HF cannot open it
+        raise InputError(f"--model {arg.encode('utf-8', 'surrogateescape')!r}: the path has a byte that is not "
+                         f"UTF-8; rename the folder (or link it under a UTF-8 name)") from None
     path = Path(arg).expanduser()
     if path.is_dir():
         return path
@@ -240,6 +246,7 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
     """Parse, run the lesson, compare each request with HF alone (harness/compare.py's rule),
     report. Returns the exit status. `teacher_force` reruns the lesson along HF's ids when a
     low-precision run diverges (default: `rerun_forced(run)`)."""
+    sane_streams()
     parser = make_parser(lesson, description)
     if add_options:
         add_options(parser)
@@ -262,12 +269,12 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
         _stdout_to_devnull()  # the reader has what it wanted; nothing more to say
     except KeyboardInterrupt:
         _stdout_to_devnull()
-        print("error: interrupted (Ctrl-C) while printing the report", file=sys.stderr)
+        say_error("interrupted (Ctrl-C) while printing the report")
         return 2
     except OSError as exc:
         _stdout_to_devnull()
-        print(f"error: cannot write the report to stdout ({exc.strerror or exc}); free some space or "
-              f"write it elsewhere", file=sys.stderr)
+        say_error(f"cannot write the report to stdout ({exc.strerror or exc}); free some space or "
+                  f"write it elsewhere")
         return 2
     return 0 if report["match"] else 1
 
@@ -292,7 +299,7 @@ def _failure_status(exc: BaseException) -> int:
         return 3
     else:
         raise exc
-    print(f"error: {message}", file=sys.stderr)
+    say_error(message)
     return 2
 
 

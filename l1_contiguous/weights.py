@@ -90,6 +90,12 @@ def _tensor_files(model_dir: Path) -> list[Path]:
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ModelLoadError(f"{index} has no weight_map of tensor name -> shard file; fix or re-download it")
     shard_names = sorted(set(weight_map.values()))
+    # A shard is named relative to the folder: "../x" or "/etc/x" would read files outside it. (A
+    # shard that is itself a symlink, as in HF's hub cache, is fine: only the name is checked.)
+    outside = [s for s in shard_names if Path(s).is_absolute() or ".." in Path(s).parts]
+    if outside:
+        raise ModelLoadError(f"shard {outside[0]!r} listed in {index.name} lies outside {model_dir}; an index "
+                             f"may name only files in the model folder")
     missing = [s for s in shard_names if not (model_dir / s).is_file()]
     if missing:
         raise ModelLoadError(f"shard {missing[0]} listed in {index.name} is not in {model_dir}")

@@ -124,6 +124,11 @@ BROKEN_FOLDERS = {
     "index naming a missing shard": lambda f: ((f / "model.safetensors").unlink(), _write(
         f, "model.safetensors.index.json", '{"weight_map": {"model.norm.weight": "shard-9.safetensors"}}')),
     "weights under another name only": lambda f: (f / "model.safetensors").rename(f / "weights.safetensors"),
+    # shards named outside the folder are refused, not followed (the target exists: it would load)
+    "index naming a shard up the tree": lambda f: ((f / "model.safetensors").rename(f.parent / "w.safetensors"), _write(
+        f, "model.safetensors.index.json", '{"weight_map": {"model.norm.weight": "../w.safetensors"}}')),
+    "index naming an absolute shard": lambda f: ((f / "model.safetensors").rename(f.parent / "w.safetensors"), _write(
+        f, "model.safetensors.index.json", '{"weight_map": {"model.norm.weight": "%s"}}' % (f.parent / "w.safetensors"))),
 }
 
 

@@ -16,6 +16,7 @@ import errno
 import io
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -425,3 +426,39 @@ def test_make_names_the_lessons_for_an_unknown_one(target):
     done = subprocess.run(["make", "-s", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "No rule" not in done.stderr
     assert "no lesson" in done.stderr and "l1" in done.stderr and "l11" in done.stderr
+
+
+# ---------------------------------------------------------------- streams and paths a user can break
+
+
+def _smoke(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/l1_smoke.py", *argv], cwd=ROOT, capture_output=True,
+                          timeout=300, **kwargs)
+
+
+def test_a_closed_stdout_still_gives_the_verdict_as_the_exit_status():
+    done = subprocess.run(f"{sys.executable} scripts/l1_smoke.py --max-new-tokens 2 >&-", shell=True, cwd=ROOT,
+                          capture_output=False, stderr=subprocess.PIPE, timeout=300)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_an_ascii_terminal_gets_escapes_not_a_traceback():
+    done = _smoke(["--max-new-tokens", "2"], env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr[-2000:]
+    assert b"\\xb7" in done.stdout  # the report's middle dot, escaped
+
+
+def test_stderr_on_a_full_disk_still_exits_2():
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "scripts/l1_smoke.py", "--max-new-tokens", "0"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=full, timeout=300)
+    assert done.returncode == 2
+
+
+def test_a_model_folder_whose_name_is_not_utf8_is_named_as_such(tmp_path):
+    folder = os.path.join(os.fsencode(tmp_path), b"model-\xff")
+    shutil.copytree(os.fsencode(DEFAULT_MODEL), folder)
+    done = subprocess.run([sys.executable.encode(), b"scripts/l1_smoke.py", b"--model", folder], cwd=ROOT,
+                          capture_output=True, timeout=300)
+    err = done.stderr.decode("utf-8", "replace")
+    assert done.returncode == 2 and err.count("\n") == 1 and "not UTF-8" in err and "tokenizer" not in err, err
