@@ -22,6 +22,13 @@ def _exit_interrupted(signum, frame) -> None:
     os._exit(2)
 
 
+def guard_startup() -> None:
+    """From here until `run_main` starts the work, Ctrl-C (or SIGTERM) ends the process at once
+    with one line and exit 2: for scripts whose heavy imports follow at module level."""
+    signal.signal(signal.SIGINT, _exit_interrupted)
+    signal.signal(signal.SIGTERM, _exit_interrupted)
+
+
 @contextmanager
 def starting():
     previous = signal.signal(signal.SIGINT, _exit_interrupted)

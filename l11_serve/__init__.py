@@ -1,15 +1,31 @@
-"""L11: L8's engine behind an OpenAI-compatible streaming server, with metrics and a live pool page."""
+"""L11: L8's engine behind an OpenAI-compatible streaming server, with metrics and a live pool page.
 
-from .app import ServerConfig, create_app
-from .engine import ServeEngine, ServeItem, ServeRequest, make_serve_engine, nucleus
-from .loop import EngineLoop, Stream, Update
-from .metrics import ServeMetrics
-from .protocol import CompletionParams, parse_completion
-from .server import Server, build_server
-from .stops import StopMatcher
+The names below are imported on first use (PEP 562), so that `python -m l11_serve` can guard its
+own start (Ctrl-C while torch loads: one line, exit 2) before anything heavy is imported.
+"""
 
-__all__ = [
-    "ServerConfig", "create_app", "ServeEngine", "ServeItem", "ServeRequest", "make_serve_engine", "nucleus",
-    "EngineLoop", "Stream", "Update", "ServeMetrics", "CompletionParams", "parse_completion", "Server",
-    "build_server", "StopMatcher",
-]
+import importlib
+
+_EXPORTS = {
+    "ServerConfig": "app", "create_app": "app",
+    "ServeEngine": "engine", "ServeItem": "engine", "ServeRequest": "engine", "make_serve_engine": "engine",
+    "nucleus": "engine",
+    "EngineLoop": "loop", "Stream": "loop", "Update": "loop",
+    "ServeMetrics": "metrics",
+    "CompletionParams": "protocol", "parse_completion": "protocol",
+    "Server": "server", "build_server": "server",
+    "StopMatcher": "stops",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'l11_serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

@@ -9,12 +9,15 @@ import socket
 import sys
 import traceback
 
-import uvicorn
+from harness.cli import sane_streams, say_error, starting
 
-from harness.smoke import DEFAULT_MODEL, resolve_device
-from l1_contiguous import InputError
+with starting():  # Ctrl-C while torch and the model's code load: one line, exit 2
+    import uvicorn
 
-from .server import GracefulServer, build_server
+    from harness.smoke import DEFAULT_MODEL, resolve_device
+    from l1_contiguous import InputError
+
+    from .server import GracefulServer, build_server
 
 
 def main(argv=None) -> int:
@@ -30,15 +33,21 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     args = p.parse_args(argv)
+    sane_streams()
     try:
         if args.max_waiting < 1 or args.block_size < 1:
             raise InputError("--max-waiting and --block-size must be at least 1")
-        check_port_free(args.host, args.port)
+        if not 0 <= args.port <= 65535:
+            raise InputError(f"--port {args.port} is not a TCP port; give 1..65535 (or 0 for any free one)")
+        args.port = check_port_free(args.host, args.port)
         device, dtype = resolve_device(args.device, args.dtype)
         app, loop, _ = build_server(args.model, args.num_blocks, args.block_size, device, dtype, args.max_waiting,
                                  prefix_sharing=args.prefix_sharing == "on")
     except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say_error(str(exc))
+        return 2
+    except KeyboardInterrupt:
+        say_error("interrupted (Ctrl-C) while building the server; nothing was served")
         return 2
     except Exception:
         traceback.print_exc()
@@ -58,12 +67,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int) -> int:
+    """The port to serve on: `port` if it can be bound, a free one chosen now for port 0."""
     with socket.socket() as s:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise InputError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port") from None
+            raise InputError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another --port") from None
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -462,3 +462,21 @@ def test_a_model_folder_whose_name_is_not_utf8_is_named_as_such(tmp_path):
                           capture_output=True, timeout=300)
     err = done.stderr.decode("utf-8", "replace")
     assert done.returncode == 2 and err.count("\n") == 1 and "not UTF-8" in err and "tokenizer" not in err, err
+
+
+@pytest.mark.parametrize("argv,delay", [(["-m", "l11_serve", "--port", "0"], 1.5), (["-m", "l11_serve", "--port", "0"], 5.0),
+                                        (["scripts/bench_l5.py", "--skip-0.6b"], 1.5),
+                                        (["scripts/make_autograder.py", "autograder-test.zip"], 3.0)],
+                         ids=["serve-importing", "serve-building", "bench-importing", "autograder-building"])
+def test_ctrl_c_at_any_time_is_one_line_and_exit_2(argv, delay, tmp_path):
+    """A real SIGINT while the entry point imports torch, builds its model or its bundle."""
+    argv = [str(ROOT / a) if a.startswith("scripts/") else a for a in argv]
+    proc = subprocess.Popen([sys.executable, *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: interrupted"), err[-500:]
+    assert not list(tmp_path.iterdir())  # the bundle: nothing half-written
