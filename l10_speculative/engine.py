@@ -37,6 +37,7 @@ class SpecRequest(PrefixRequest):
     k: int = 0  # proposals to ask for next step (adapted from its acceptance)
     proposed: int = 0
     accepted: int = 0
+    spec_error: str | None = None  # why speculation stopped for it (its drafter failed), or None
 
     @property
     def tokens(self) -> list[int]:
@@ -51,6 +52,7 @@ class SpecCounters:
     accepted: int = 0
     forwards: int = 0  # target forwards (steps with work)
     token_steps: int = 0  # request-steps that produced tokens: generated / token_steps = tokens per step
+    drafter_failures: int = 0  # requests whose drafter raised: they go on without speculation
 
 
 class SpecScheduler(PrefixScheduler):
@@ -123,8 +125,24 @@ class SpecEngine(PrefixEngine):
         asking = [(r, k) for r, k in zip(reqs, ks) if k > 0]
         if not asking:
             return
-        for (req, _), (ids, probs) in zip(asking, self.drafter.propose(*map(list, zip(*asking)))):
+        try:
+            proposals = self.drafter.propose(*map(list, zip(*asking)))
+        except Exception:  # find who: ask again one request at a time
+            proposals = [self._propose_alone(req, k) for req, k in asking]
+        for (req, _), (ids, probs) in zip(asking, proposals):
             req.draft, req.draft_probs = list(ids), probs
+
+    def _propose_alone(self, req: SpecRequest, k: int):
+        """One request's proposals; if its drafter fails, that request goes on without speculation
+        (k = 0: plain decoding, still exact) instead of failing every step of the batch."""
+        try:
+            return self.drafter.propose([req], [k])[0]
+        except Exception as exc:
+            req.k = 0
+            req.spec_error = f"the drafter failed, decoding on without speculation: {one_line(exc)}"
+            self.spec.drafter_failures += 1
+            self.drafter.release(req.request_id)
+            return [], None
 
     # ------------------------------------------------------------------ verify
 

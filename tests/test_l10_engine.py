@@ -265,3 +265,32 @@ def test_a_request_whose_verify_fails_ends_alone_and_the_others_go_on(model, hf_
     assert good.output_ids == hf_ref(PROMPTS[2], 16) and good.finish_reason == "length"
     assert bad.finish_reason == "error" and "verifying its proposals failed" in bad.error
     assert len(bad.output_ids) == 1  # its first token came from the prefill's plain draw
+
+
+def test_a_draft_model_of_another_vocabulary_fails_only_speculation(model, make_model, hf_ref):
+    """Built directly (not through DraftModelDrafter.load, which refuses it): every proposal raises
+    (ids past its embedding). Each request goes on without speculation and still equals HF; the
+    step is not failed and rolled back forever."""
+    small = load_engine_model(make_model(seed=5, vocab_size=128))
+    drafter = DraftModelDrafter(small, num_blocks=64, block_size=4)
+    engine = make(model, drafter, k=3, adaptive_k=False)
+    requests = run_checked(engine, [SampledWorkItem(p, 12) for p in PROMPTS])
+    assert_hf(requests, hf_ref)
+    assert engine.spec.drafter_failures >= 1 and engine.spec.proposed == 0
+    assert all(r.k == 0 for r in requests.values() if r.spec_error)
+    assert not drafter.seqs and drafter.alloc.num_free == drafter.alloc.num_blocks
+
+
+def test_one_requests_drafter_failure_leaves_the_others_speculating(model, hf_ref):
+    class FailsForOne(OracleDrafter):
+        def propose(self, reqs, ks):
+            if any(r.prompt_ids == PROMPTS[1] for r in reqs):
+                raise ValueError("cannot draft for this prompt")
+            return super().propose(reqs, ks)
+
+    engine = make(model, FailsForOne(hf_ref, 14), k=4, adaptive_k=False)
+    requests = run_checked(engine, [SampledWorkItem(p, 14) for p in PROMPTS])
+    assert_hf(requests, hf_ref)
+    failed = [r for r in requests.values() if r.spec_error]
+    assert [r.prompt_ids for r in failed] == [PROMPTS[1]] and "cannot draft" in failed[0].spec_error
+    assert all(r.accepted > 0 for r in requests.values() if not r.spec_error)
