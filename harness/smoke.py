@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import re
+import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -247,6 +248,7 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
     report. Returns the exit status. `teacher_force` reruns the lesson along HF's ids when a
     low-precision run diverges (default: `rerun_forced(run)`)."""
     sane_streams()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cleans up (a compiler, a temp file) like Ctrl-C
     parser = make_parser(lesson, description)
     if add_options:
         add_options(parser)

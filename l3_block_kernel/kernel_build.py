@@ -19,8 +19,10 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,14 +223,18 @@ def _build_host(build: HostBuild) -> ctypes.CDLL:
     return build.bind(ctypes.CDLL(str(library)))
 
 
+STALE_BUILD_S = 600  # a temporary build folder older than this belongs to a process that died
+
+
 def _compile_into(build: HostBuild, compiler: str, library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(library.parent)
     # Compile to a temporary name, then rename: two processes building at once never load half a file.
-    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+    with tempfile.TemporaryDirectory(dir=library.parent, prefix="building-") as tmp:
         partial = Path(tmp) / library.name
 
         def compile_with(flags):
-            return subprocess.run([compiler, *flags, *build.inputs, "-o", str(partial)], capture_output=True, text=True)
+            return _run_compiler([compiler, *flags, *build.inputs, "-o", str(partial)])
 
         result = compile_with((*build.flags, *build.optional_flags))
         if result.returncode != 0 and build.optional_flags:
@@ -238,6 +244,35 @@ def _compile_into(build: HostBuild, compiler: str, library: Path) -> None:
                          result.stderr.strip() or f"exit status {result.returncode}, no message")
             raise InputError(f"cannot build {build.what} with {compiler} (it needs {build.standard}): {first[:300]}")
         os.replace(partial, library)
+
+
+def _run_compiler(command: list[str]) -> subprocess.CompletedProcess:
+    """The compiler in a process group of its own: if we are interrupted (Ctrl-C, or SIGTERM,
+    which the entry points turn into the same exception), the whole group (the driver and the
+    cc1plus/as/ld it started) is killed before the temporary folder goes, so none is orphaned."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _remove_stale_builds(folder: Path) -> None:
+    """Temporary build folders left by a process killed outright (SIGKILL cannot be cleaned up after)."""
+    now = time.time()
+    for old in folder.glob("building-*"):
+        try:
+            if now - old.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
 
 
 # ---------------------------------------------------------------- the CPU emulation of the kernel

@@ -480,3 +480,34 @@ def test_ctrl_c_at_any_time_is_one_line_and_exit_2(argv, delay, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("error: interrupted"), err[-500:]
     assert not list(tmp_path.iterdir())  # the bundle: nothing half-written
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            continue
+        if text in cmdline and proc.name != str(os.getpid()):
+            found.append(cmdline[:200])
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the compiler")
+def test_sigterm_during_the_emulation_build_leaves_no_compiler_and_no_temporary_file(tmp_path):
+    cache = tmp_path / "l3-cache"
+    proc = subprocess.Popen([sys.executable, "scripts/l3_smoke.py", "--backend", "emulated", "--max-new-tokens", "2"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "L3_EMULATION_CACHE": str(cache)})
+    deadline = time.monotonic() + 120
+    while not list(cache.glob("*/building-*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert list(cache.glob("*/building-*")), "the build never started"
+    time.sleep(0.3)  # the compiler is running now
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
+    time.sleep(0.5)
+    assert not list(cache.glob("*/building-*")) and not list(cache.glob("**/*.so"))
+    assert not _processes_mentioning(str(cache)), _processes_mentioning(str(cache))
