@@ -119,3 +119,82 @@ def test_code_quoted_in_the_lessons_is_in_the_code():
     missing = [f"lessons/{lesson.name}:{number}: {code}" for lesson in sorted(lq.LESSONS.glob("L*.md"))
                for number, code in _code_lines(lesson.read_text()) if code not in sources]
     assert not missing, "\n".join(missing)
+
+
+# ---------------------------------------------------------------- figures quoted from docs/benchmarks.md
+
+BENCHMARKS = lq.ROOT / "docs" / "benchmarks.md"
+
+
+def _section_tables(name: str) -> list[list[dict]]:
+    """The markdown tables between `<!-- BEGIN name` and `<!-- END name -->`, as lists of rows."""
+    text = BENCHMARKS.read_text()
+    body = text.split(f"<!-- BEGIN {name} ", 1)[1].split(f"<!-- END {name} -->", 1)[0]
+    tables, header = [], None
+    for line in body.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+            tables.append([])
+        elif not set(cells[0]) <= set("- "):
+            tables[-1].append(dict(zip(header, cells)))
+    return tables
+
+
+def _section_rows(name: str) -> list[dict]:
+    return [row for table in _section_tables(name) for row in table]
+
+
+def _cell(section: str, column: str, **where) -> float:
+    hits = [r for r in _section_rows(section) if all(r.get(k) == v for k, v in where.items())]
+    assert len(hits) == 1, (section, where, len(hits))
+    return float(hits[0][column])
+
+
+def _l10(workload: str, system: str, column: str = "speed-up") -> float:
+    return _cell("bench_l10", column, workload=workload, system=system)
+
+
+# (file, the sentence's figure as written, the same figure from the generated table)
+QUOTED_FIGURES = [
+    ("lessons/L10-speculative.md", "1.12x HF greedy", lambda: _l10("embedded, batch 16", "L10 prompt lookup")),
+    ("lessons/L10-speculative.md", "1.25x\nL8 without speculation",
+     lambda: _l10("embedded, batch 16", "L10 prompt lookup", "tokens/s") / _l10("embedded, batch 16", "L8 plain", "tokens/s")),
+    ("lessons/L10-speculative.md", "against 2.36x at batch 1", lambda: _l10("embedded, batch 1", "L10 prompt lookup")),
+    ("lessons/L10-speculative.md", "from 2.36x to 1.12x", lambda: _l10("embedded, batch 1", "L10 prompt lookup")),
+    ("docs/benchmarks.md", "(0.90x, and HF's", lambda: _l10("embedded, batch 1", "L10 draft model")),
+    ("docs/benchmarks.md", "with the same draft 0.74x", lambda: _l10("embedded, batch 1", "HF assistant (draft)")),
+    ("docs/benchmarks.md", "is 2.36x HF greedy", lambda: _l10("embedded, batch 1", "L10 prompt lookup")),
+    ("docs/benchmarks.md", "prompt lookup's 2.05x", lambda: _l10("embedded, batch 1", "HF prompt lookup")),
+]
+
+
+@pytest.mark.parametrize("path,quoted,figure", QUOTED_FIGURES, ids=[q for _, q, _ in QUOTED_FIGURES])
+def test_a_figure_quoted_from_a_benchmark_table_equals_the_table(path, quoted, figure):
+    text = (lq.ROOT / path).read_text()
+    assert " ".join(quoted.split()) in " ".join(text.split()), f"{path} no longer says {quoted!r}: update this list"
+    number = float(re.search(r"\d+\.\d+", quoted).group())
+    assert round(figure(), 2) == number, f"{path} says {quoted!r}; the table gives {figure():.2f}"
+
+
+def test_l5s_sentence_on_recompute_and_swap_agrees_with_its_table():
+    """L5 says swap finished ahead at both pool sizes; the generated table must say so too."""
+    text = " ".join((lq.ROOT / "lessons" / "L5-eviction.md").read_text().split())
+    assert "swap finished ahead at both sizes" in text
+    tables = [t for t in _section_tables("bench_l5") if any(r.get("system", "").startswith("L5 pool") for r in t)]
+    assert len(tables) >= 1
+    for table in tables:  # the embedded model's, and the 0.6B shape's
+        for pool in ("50", "25"):
+            rows = {r["system"]: float(r["best s"]) for r in table if r.get("pool %") == pool}
+            assert rows[f"L5 pool {pool}% swap"] <= rows[f"L5 pool {pool}% recompute"], (pool, rows)
+
+
+def test_the_readme_counts_the_lessons_it_has():
+    """The first paragraph's count follows the lesson packages (it once said five of seven)."""
+    words = {5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+    count = len(list(lq.ROOT.glob("l[0-9]*_*/__init__.py")))
+    first = (lq.ROOT / "README.md").read_text().split("\n\n")[1]
+    assert f"{words[count]} working lessons" in " ".join(first.split()), first[:300]

@@ -115,6 +115,31 @@ def _l5_table() -> dict[int, list[str]]:
     return table
 
 
+def _l5_steps_covered() -> set[int]:
+    """Every step the table's rows name ("5, 6" and "9–11" count every step they span)."""
+    covered = set()
+    for line in (LESSONS / "L5-eviction.md").read_text().split("\n"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and re.fullmatch(r"\d+(?:[,–] ?\d+)?", cells[0]):
+            ends = [int(x) for x in re.split(r"[,–] ?", cells[0])]
+            covered.update(range(ends[0], ends[-1] + 1))
+    return covered
+
+
+@pytest.mark.parametrize("lesson", sorted(p.name for p in LESSONS.glob("L*.md")))
+def test_exercise_checks_name_only_exercises_that_exist(lesson):
+    """Each lesson's check table has one row per exercise: no row for an exercise that is not there."""
+    text = (LESSONS / lesson).read_text()
+    part = re.split(r"^## \d+\. Exercises\s*$", text, flags=re.M)
+    if len(part) < 2 or "How to check each one" not in part[1]:
+        pytest.skip(f"{lesson} has no exercises with a check table")
+    body = re.split(r"^## ", part[1], flags=re.M)[0]
+    listed, checks = body.split("How to check each one", 1)
+    exercises = set(re.findall(r"^(\d+)\. ", listed, re.M))
+    rows = set(re.findall(r"^\| (\d+) \|", checks, re.M))
+    assert rows == exercises, (lesson, sorted(rows, key=int), sorted(exercises, key=int))
+
+
 def test_l5_worked_example(tiny_model_dir):
     from l5_eviction import load_engine_model
 
@@ -122,6 +147,7 @@ def test_l5_worked_example(tiny_model_dir):
     engine, rows = _l5_trace(model, "recompute")
     table = _l5_table()
     assert set(table) <= {r.step for r, _ in rows} and len(table) >= 8, "the L5 §4 table was not found"
+    assert _l5_steps_covered() == set(range(max(table) + 1)), "the L5 §4 table skips a step"
     for record, reqs in rows:
         if record.step not in table:
             continue
