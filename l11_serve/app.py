@@ -52,8 +52,9 @@ class Choice:
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
-    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}; `code` is a string or
+    null there (the HTTP status carries the number), so null here."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -168,17 +169,20 @@ def _usage(params: CompletionParams, choices: list[Choice]) -> dict:
 
 
 async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice]):
-    """One event per engine step (all choices it advanced), then usage if asked, then [DONE]. If
-    making the text fails, an OpenAI-style error event ends the stream instead of a cut connection."""
+    """Per engine step, one event for each choice it advanced (one choice per chunk, as OpenAI and
+    vLLM send for n > 1: clients read `chunk.choices[0]` and its `index`), then usage if asked,
+    then [DONE]. If making the text fails, an OpenAI-style error event ends the stream instead of
+    a cut connection."""
     try:
         async for out in steps:
-            chunk = {**head, "choices": [{"index": i, "text": text, "token_ids": ids, "logprobs": None,
-                                          "finish_reason": finish} for i, text, ids, finish in out]}
-            yield f"data: {json.dumps(chunk)}\n\n"
+            for i, text, ids, finish in out:
+                chunk = {**head, "choices": [{"index": i, "text": text, "token_ids": ids, "logprobs": None,
+                                              "finish_reason": finish}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
     except Exception as exc:
         log.exception("a completion stream failed")
         body = {"error": {"message": f"the server failed: {one_line(exc)}", "type": "server_error",
-                          "param": None, "code": 500}}
+                          "param": None, "code": None}}
         yield f"data: {json.dumps(body)}\n\n"
         return
     if params.include_usage:

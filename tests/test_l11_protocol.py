@@ -188,8 +188,31 @@ def test_a_failure_while_making_the_text_is_a_500_that_names_it_and_the_server_g
                                                         "stream": True}) as streamed:
         chunks = sse_chunks(streamed.iter_lines())
     assert chunks == [{"error": {"message": "the server failed: RuntimeError: the detokenizer broke",
-                                 "type": "server_error", "param": None, "code": 500}}]
+                                 "type": "server_error", "param": None, "code": None}}]
     wait_idle(loop)
     assert_no_leak(loop)
     monkeypatch.undo()
     assert complete(client, max_tokens=4).json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_n_2_streams_one_choice_per_chunk_and_every_sample_arrives(served):
+    """As OpenAI and vLLM send: each event carries one choice; reading `choices[0]` of every chunk
+    (what the lesson's example does) collects both samples whole."""
+    client = served[0]
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 6, "n": 2}
+    whole = client.post("/v1/completions", json=body).json()
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as streamed:
+        chunks = sse_chunks(streamed.iter_lines())
+    assert chunks[-1] == "[DONE]"
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        assert len(chunk["choices"]) == 1, chunk
+        texts[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
+    assert [texts[0], texts[1]] == [c["text"] for c in whole["choices"]]
+
+
+def test_an_error_body_has_openais_shape_with_a_null_code(served):
+    r = served[0].post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] is None and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
