@@ -180,6 +180,17 @@ def test_a_figure_quoted_from_a_benchmark_table_equals_the_table(path, quoted, f
     assert round(figure(), 2) == number, f"{path} says {quoted!r}; the table gives {figure():.2f}"
 
 
+def test_l1s_bf16_margins_agree_with_the_bf16_table():
+    """L1 §5 quotes the largest teacher-forced differences that set the rule's bounds."""
+    text = " ".join((lq.ROOT / "lessons" / "L1-contiguous.md").read_text().split())
+    rows = _section_rows("bf16 cpu")
+    embedded = max(float(r["in spacings"]) for r in rows if r["model"].startswith("embedded"))
+    shape = max(float(r["in spacings"]) for r in rows if r["model"].startswith("0.6B shape"))
+    assert "at most 2 spacings on the embedded model" in text and embedded == 2, embedded
+    assert "about 10 on a random model" in text and round(shape) == 10, shape
+    assert all(r["verdict"] == "PASS" for r in rows)
+
+
 def test_l5s_sentence_on_recompute_and_swap_agrees_with_its_table():
     """L5 says swap finished ahead at both pool sizes; the generated table must say so too."""
     text = " ".join((lq.ROOT / "lessons" / "L5-eviction.md").read_text().split())
