@@ -275,6 +275,24 @@ def test_logits_and_greedy_ids_match_hf_across_configs(make_model, name):
     assert gen.new_ids == hf.hf_greedy(hf_model, prompt, 10)
     ref = hf.hf_logits(hf_model, prompt + gen.new_ids[:-1])
     torch.testing.assert_close(torch.stack(gen.logits), ref, rtol=0, atol=1e-4)
+    check_stop_ids(model, prompt, gen.new_ids)
+
+
+def check_stop_ids(model, prompt: list[int], ids: list[int]) -> None:
+    """The stop rule of L1 §3: with one of the ids it produced given as a stop id, greedy_generate
+    returns the ids up to and including its first occurrence (kept, as HF keeps EOS), after one
+    forward per id, no more; a stop id it never produces changes nothing."""
+    k = next((i for i in range(1, len(ids)) if ids[i] not in ids[:i]), None)
+    assert k is not None, "every id repeats the first: pick another prompt"
+    with forward_lengths(Qwen3ForCausalLM) as lengths:
+        stopped = greedy_generate(model, prompt, len(ids), stop_ids=[ids[k]])
+    assert stopped.new_ids == ids[:k + 1], f"stop id {ids[k]} at new token {k}: expected {ids[:k + 1]}"
+    assert len(lengths) == k + 1, f"{len(lengths)} forwards for {k + 1} ids: it went on after the stop id"
+    assert len(stopped.logits) == len(prompt) + k, "one logits row per position fed"
+    first = greedy_generate(model, prompt, len(ids), stop_ids=[ids[0]])
+    assert first.new_ids == ids[:1], "a stop id picked first ends the run at once"
+    absent = next(i for i in range(model.config.vocab_size) if i not in ids)
+    assert greedy_generate(model, prompt, len(ids), stop_ids=[absent]).new_ids == ids
 
 
 @pytest.mark.points(2)
@@ -286,6 +304,7 @@ def test_greedy_ids_match_hf_for_prompt_lengths(tiny_model_dir, length):
         ids = greedy_generate(model, prompt, 16, stop_ids=[]).new_ids
     assert lengths == [length] + [1] * 15  # the cache, not a recompute, serves each decode step
     assert ids == hf_ids(tiny_model_dir, prompt, 16)
+    check_stop_ids(model, prompt, ids)
 
 
 @pytest.mark.points(1)

@@ -1,0 +1,123 @@
+"""Known student bugs, kept as mutations: each is written into a copy of the repository and graded
+with the tests that carry its function's points. Each must fail at least one of them and lose at
+least half of those points. A refactor that weakens a test so that one of these bugs scores again
+fails here, in the course's own suite.
+
+To add a bug: one `Mutation` (the file, the exact lines of the solution, what a student wrote
+instead, and the tests that carry the function's points, as the lesson's "What you write" table
+names them). A bug that the tests do not yet catch well enough is listed with `too_weak` (what it
+keeps): it runs as a strict xfail, so strengthening its tests turns it into a failure that asks
+for the `too_weak` to be removed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.course]
+
+ROOT = Path(__file__).resolve().parent.parent
+SKIP = {".git", ".venv", "student-copy", "__pycache__", ".pytest_cache", ".hypothesis", "build", "notebooks"}
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    solution: str  # lines of the solution, exactly as in the file
+    bug: str  # what the student wrote instead
+    tests: tuple[str, ...]  # pytest arguments selecting the tests that carry the function's points
+    too_weak: str = ""  # a known gap (issue 37), measured: the test is expected to fail until fixed
+
+
+MUTATIONS = [
+    Mutation(
+        "L1 greedy_generate drops the stop id",
+        "l1_contiguous/generate.py",
+        "        token = int(out.logits[-1].argmax())\n        out.new_ids.append(token)\n"
+        "        if token in stop_ids or len(out.new_ids) == max_new_tokens:\n            break\n",
+        "        token = int(out.logits[-1].argmax())\n        if token in stop_ids:\n            break\n"
+        "        out.new_ids.append(token)\n        if len(out.new_ids) == max_new_tokens:\n            break\n",
+        ("tests/test_l1_model.py", "-k", "hf"),
+    ),
+    Mutation(
+        "L1 greedy_generate ignores stop ids",
+        "l1_contiguous/generate.py",
+        "        if token in stop_ids or len(out.new_ids) == max_new_tokens:\n",
+        "        if len(out.new_ids) == max_new_tokens:\n",
+        ("tests/test_l1_model.py", "-k", "hf"),
+    ),
+    Mutation(
+        "L1 RMSNorm leaves eps out of the rsqrt",
+        "l1_contiguous/model.py",
+        "x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)",
+        "x32 * (torch.rsqrt(x32.pow(2).mean(-1, keepdim=True)) + self.eps)",
+        ("tests/test_l1_model.py", "-k", "rmsnorm"),
+    ),
+    Mutation(
+        "L2 free has no double-free check",
+        "l2_paged/allocator.py",
+        "            if self._is_free[b] or b in seen:\n",
+        "            if False:\n",
+        ("tests/test_l2_allocator.py",),
+        too_weak="keeps 27 of the file's 33 points (alloc_blocks, free and reserve share it)",
+    ),
+    Mutation(
+        "L8 evicts the most recently used cached block",
+        "l8_prefix/prefix_allocator.py",
+        "        self.forget(next(iter(self.cached_free)))\n",
+        "        self.forget(next(reversed(self.cached_free)))\n",
+        ("tests/test_l8_blocks.py",),
+        too_weak="keeps 13 of 16",
+    ),
+    Mutation(
+        "L8 free's double-free check ignores repeats in one call",
+        "l8_prefix/prefix_allocator.py",
+        "            if self.ref_count[b] - blocks[:i].count(b) <= 0:\n",
+        "            if self.ref_count[b] <= 0:\n",
+        ("tests/test_l8_blocks.py",),
+        too_weak="keeps 14 of 16",
+    ),
+]
+
+
+def _copy_with(mutation: Mutation, dest: Path) -> None:
+    shutil.copytree(ROOT, dest, ignore=lambda folder, names: [n for n in names if n in SKIP])
+    target = dest / mutation.path
+    text = target.read_text()
+    assert text.count(mutation.solution) == 1, f"{mutation.name}: the solution lines are no longer in {mutation.path}"
+    target.write_text(text.replace(mutation.solution, mutation.bug))
+
+
+def _grade(folder: Path, tests: tuple[str, ...]) -> list[dict]:
+    results = folder / "results.json"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--graded-only",
+                    "--results-json", str(results), *tests], cwd=folder, capture_output=True, text=True,
+                   timeout=900, env={"PATH": "/usr/bin:/bin", "HOME": str(folder), "COURSE_QUICK": "1",
+                                     "PYTHONPATH": str(folder)})
+    return json.loads(results.read_text())["tests"]
+
+
+def _param(m: Mutation):
+    marks = [pytest.mark.xfail(strict=True, reason=f"issue 37, a test too weak: {m.too_weak}")] if m.too_weak else []
+    return pytest.param(m, id=m.name, marks=marks)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("mutation", [_param(m) for m in MUTATIONS])
+def test_a_known_student_bug_fails_and_loses_at_least_half_its_points(mutation, tmp_path):
+    copy = tmp_path / "repo"
+    _copy_with(mutation, copy)
+    graded = _grade(copy, mutation.tests)
+    total = sum(t["max_score"] for t in graded)
+    kept = sum(t["score"] for t in graded)
+    assert total > 0, f"{mutation.name}: {mutation.tests} selected no graded test"
+    assert kept < total, f"{mutation.name}: every graded test still passes"
+    assert kept <= total / 2, f"{mutation.name}: keeps {kept:g} of {total:g} points"
