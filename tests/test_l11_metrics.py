@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from l11_serve import Server, build_server
-from serve_helpers import TIMEOUT_S, assert_no_leak, wait_idle
+from serve_helpers import TIMEOUT_S, assert_no_leak, wait_idle, hold_until_queued
 
 pytestmark = [pytest.mark.l11, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -58,20 +58,6 @@ def test_metrics_count_tokens_latencies_forks_and_prefix_hits(embedded_model_dir
     assert value(m, "kvcourse_kv_blocks_free") == value(m, "kvcourse_kv_blocks_total") == 64
     assert value(m, "kvcourse_kv_blocks_cached") == len(loop.engine.alloc.cached_free) > 0
     assert_no_leak(loop)
-
-
-def hold_until_queued(loop, count: int, limit_s: float = 60.0) -> None:
-    """The engine thread takes no step until `count` requests are in the engine (or `limit_s` passes)."""
-    real_step, deadline, started = loop._step, time.monotonic() + limit_s, []
-
-    def step():
-        if started or len(loop.engine.requests) >= count or time.monotonic() > deadline:
-            started.append(True)
-            real_step()
-        else:
-            time.sleep(0.005)  # back to the loop, which applies the next add
-
-    loop._step = step
 
 
 @pytest.mark.points(1)
