@@ -85,6 +85,20 @@ MUTATIONS = [
         ("tests/test_l8_blocks.py",),
         too_weak="keeps 14 of 16",
     ),
+    Mutation(
+        "L10 accept_sampled draws the bonus id from the last proposal's row",
+        "l10_speculative/acceptance.py",
+        "    out.append(_draw(target_probs[len(draft)], generator))\n",
+        "    out.append(_draw(target_probs[max(len(draft) - 1, 0)], generator))\n",
+        ("tests/test_l10_acceptance.py", "-k", "accept_sampled"),
+    ),
+    Mutation(
+        "L10 accept_sampled replaces a rejected proposal with a draw from p, not (p - q)+",
+        "l10_speculative/acceptance.py",
+        "        leftover = (target_probs[i] - q).clamp(min=0)\n",
+        "        leftover = target_probs[i]\n",
+        ("tests/test_l10_acceptance.py", "-k", "accept_sampled"),
+    ),
 ]
 
 

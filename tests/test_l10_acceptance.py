@@ -115,6 +115,51 @@ def test_accept_sampled_gives_the_targets_distribution(deterministic_drafter):
     assert chi_square(counts.flatten(), joint.flatten()) < 37.7
 
 
+# Four settings (k, temperature, drafter); V = 3, so the first k + 1 ids fall in 3^(k+1) cells.
+# Each run's first k + 1 ids (a run cut short by a rejection is completed with plain draws from
+# the rows after it, which do not depend on the context here) must be distributed as
+# p_0 x ... x p_k, the bonus id included. Chi-square at 0.025% per setting (0.1% for all four):
+# critical values 29.59 / 58.70 / 131.57 for 8 / 26 / 80 degrees of freedom. A distribution
+# 0.05 away in total variation has a noncentrality of at least N (2 x 0.05)^2 = 0.01 N, and with
+# N = 12,500 the test rejects it with probability > 0.999 at every df (noncentral chi-square:
+# 0.9992 at 80 df). The seed is fixed, so the verdict is the same on every run.
+SAMPLED_SETTINGS = [(1, 0.5, "deterministic"), (2, 1.0, "drafted"), (3, 2.0, "drafted"), (3, 1.0, "deterministic")]
+CRITICAL = {8: 29.59, 26: 58.70, 80: 131.57}
+RUNS = 12_500
+
+
+def _rows(k: int, temperature: float, seed: int) -> torch.Tensor:
+    logits = torch.randn(k + 1, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+@pytest.mark.points(3)
+@pytest.mark.parametrize("k,temperature,drafter", SAMPLED_SETTINGS)
+def test_accept_sampled_gives_the_exact_joint_distribution_bonus_included(k, temperature, drafter):
+    p = _rows(k, temperature, seed=10 + k).float()
+    q = _rows(k - 1, 1.0, seed=20 + k).float()
+    gen = torch.Generator().manual_seed(k)
+    counts = torch.zeros(3 ** (k + 1))
+    for _ in range(RUNS):
+        if drafter == "deterministic":
+            draft, draft_probs = [int(torch.randint(3, (), generator=gen)) for _ in range(k)], None
+        else:
+            draft, draft_probs = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)], q
+        out = accept_sampled(draft, draft_probs, p, gen)
+        assert 1 <= len(out) <= k + 1 and (len(out) == k + 1 or out[:-1] == draft[:len(out) - 1])
+        while len(out) < k + 1:
+            out.append(int(torch.multinomial(p[len(out)], 1, generator=gen)))
+        cell = 0
+        for token in out:
+            cell = cell * 3 + token
+        counts[cell] += 1
+    joint = p[0]
+    for row in p[1:]:
+        joint = (joint[:, None] * row[None, :]).flatten()
+    statistic = chi_square(counts, joint)
+    assert statistic < CRITICAL[3 ** (k + 1) - 1], f"chi-square {statistic:.1f} over {3 ** (k + 1)} cells"
+
+
 @pytest.mark.points(1)
 def test_accept_sampled_keeps_a_proposal_the_target_is_sure_of():
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
