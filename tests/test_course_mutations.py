@@ -99,6 +99,20 @@ MUTATIONS = [
         "        leftover = target_probs[i]\n",
         ("tests/test_l10_acceptance.py", "-k", "accept_sampled"),
     ),
+    Mutation(
+        "L11 _abort_group misses the sample given by index",
+        "l11_serve/loop.py",
+        "                    and (index is None or req.sample_index == index):\n",
+        "                    and index is None:\n",
+        ("tests/test_l11_client.py", "-k", "hangs_up or gives_up or stop_string or leaves or abort_path"),
+    ),
+    Mutation(
+        "L11 _abort_group misses waiting requests",
+        "l11_serve/loop.py",
+        "            if req.group == stream.group and req.state is not State.FINISHED \\\n",
+        "            if req.group == stream.group and req.state is State.RUNNING \\\n",
+        ("tests/test_l11_client.py", "-k", "hangs_up or gives_up or stop_string or leaves or abort_path"),
+    ),
 ]
 
 

@@ -101,7 +101,13 @@ def test_concurrent_streams_interleave(server):
 
 @pytest.mark.points(2)
 def test_a_client_that_hangs_up_mid_stream_gives_every_block_back(server):
+    check_a_hang_up_mid_stream(server)
+
+
+def check_a_hang_up_mid_stream(server) -> None:
     url, _, loop, _ = server
+    wait_idle(loop)
+    aborted = _aborted_total(url)
     before = loop.generated
     # n = 3: samples 1 and 2 are forks with request ids of their own; all three must stop.
     body = {"prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0.8, "n": 3, "seed": 5,
@@ -114,7 +120,14 @@ def test_a_client_that_hangs_up_mid_stream_gives_every_block_back(server):
     wait_idle(loop)
     assert_no_leak(loop)
     assert loop.generated - before < 300  # stopped long before 3 x 900 tokens
-    assert 'kvcourse_requests_finished_total{reason="aborted"} 3.0' in httpx.get(f"{url}/metrics").text
+    assert _aborted_total(url) == aborted + 3
+
+
+def _aborted_total(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text.splitlines():
+        if line.startswith('kvcourse_requests_finished_total{reason="aborted"}'):
+            return float(line.split()[-1])
+    return 0.0
 
 
 @pytest.mark.points(1)
@@ -170,3 +183,79 @@ def test_sigterm_stops_the_server_cleanly_while_a_stream_runs(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.points(1)
+def test_a_stop_string_stops_the_decoding_not_only_the_text(server):
+    check_a_stop_string_stops_the_decoding(server)
+
+
+def check_a_stop_string_stops_the_decoding(server) -> None:
+    """After the stop string the sample is aborted by its index: the engine decodes at most a step
+    more, not the 400 tokens asked for."""
+    url, _, loop, tok = server
+    free = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0},
+                      timeout=TIMEOUT_S).json()["choices"][0]["text"]
+    stop = free[free.index(" ", 3):][:4]
+    wait_idle(loop)
+    before = loop.generated
+    body = {"prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "stop": [stop], "n": 2}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT_S).json()
+    assert [c["finish_reason"] for c in answer["choices"]] == ["stop", "stop"]
+    wait_idle(loop)
+    sent = sum(len(c["token_ids"]) for c in answer["choices"])
+    assert loop.generated - before <= sent + 2 * 2, f"{loop.generated - before} tokens decoded for {sent} sent"
+    assert_no_leak(loop)
+
+
+@pytest.mark.points(1)
+def test_a_client_that_leaves_while_its_request_waits_is_never_decoded(embedded_model_dir):
+    check_a_waiting_request_left_is_never_decoded(embedded_model_dir)
+
+
+@pytest.mark.points(5)
+def test_every_abort_path_of_abort_group(server, embedded_model_dir):
+    """`_abort_group`'s whole contract in one test: a mid-stream hang-up of n = 3 samples, a stop
+    string ending each sample by its index, and a client leaving while its request waits."""
+    check_a_hang_up_mid_stream(server)
+    check_a_stop_string_stops_the_decoding(server)
+    check_a_waiting_request_left_is_never_decoded(embedded_model_dir)
+
+
+def check_a_waiting_request_left_is_never_decoded(embedded_model_dir) -> None:
+    """A pool of 4 blocks of 16: the first request (49 + 15 tokens) holds all of it from its
+    prefill on, so the second waits. The second's client hangs up while it waits: its request must
+    be aborted there, never prefilled or decoded, and the first must run on to its end. (Each step
+    is slowed to 20 ms so that the wait is long enough to see on any machine.)"""
+    app, loop, tok = build_server(embedded_model_dir, num_blocks=4, block_size=16, prefix_sharing=False)
+    long_prompt, new = list(range(100, 149)), 15
+    real_step = loop._step
+
+    def slow_step():
+        time.sleep(0.02)
+        real_step()
+
+    loop._step = slow_step
+    with Server(app) as url:
+        answers = []
+        first = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{url}/v1/completions", json={"prompt": long_prompt, "max_tokens": new, "temperature": 0},
+            timeout=TIMEOUT_S).json()))
+        first.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while not loop.snapshot.get("running") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as r:
+            assert r.status_code == 200
+            while not loop.snapshot.get("waiting") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert loop.snapshot["waiting"], "the second request never waited"
+        first.join(TIMEOUT_S)
+        wait_idle(loop)
+        (only,) = answers[0]["choices"]
+        assert only["finish_reason"] == "length" and len(only["token_ids"]) == new
+        assert loop.generated == new, f"{loop.generated - new} tokens decoded for the client that left"
+        metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
+        assert 'kvcourse_requests_finished_total{reason="aborted"} 1.0' in metrics
+        assert_no_leak(loop)
