@@ -1,6 +1,6 @@
 """L5: a scheduler with continuous batching that preempts (recompute or swap) when the pool is full."""
 
-from .engine import DEFAULT_PREFILL_CHUNK, Engine, StepRecord, WorkItem, generated_ids, make_engine
+from .engine import DEFAULT_PREFILL_CHUNK, Engine, EngineStalledError, StepRecord, WorkItem, generated_ids, make_engine
 from .lifecycle import EngineRequest, State, SwappedKv
 from .mixed import (MixedBatchAttention, MixedBatchMeta, StepRunner, build_step_meta, check_engine_model,
                     engine_backend, load_engine_model)
@@ -9,6 +9,7 @@ from .preempt import MODES, PreemptCounters, Preemptor, trim
 from .scheduler import RequestTooLargeError, Scheduler
 
 __all__ = [
+    "EngineStalledError",
     "DEFAULT_PREFILL_CHUNK", "Engine", "StepRecord", "WorkItem", "generated_ids", "make_engine",
     "EngineRequest", "State", "SwappedKv", "MixedBatchAttention", "MixedBatchMeta", "StepRunner", "build_step_meta",
     "check_engine_model", "engine_backend", "load_engine_model", "POLICIES", "ScorePolicy", "lru_key",

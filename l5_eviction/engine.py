@@ -66,6 +66,13 @@ DEFAULT_PREFILL_CHUNK = 256
 # counting (a float64 keeps about 16 digits).
 MAX_PRIORITY = 10**9
 MAX_ARRIVAL_STEP = 10**9  # a step number; past this a workload could not finish in any test or run
+# Steps in a row that compute no token while requests wait to run: the engine is stuck (a leaked
+# block, a scheduler that never admits), and `run` says so instead of spinning to max_steps.
+STALL_STEPS = 100
+
+
+class EngineStalledError(RuntimeError):
+    """`run` saw STALL_STEPS steps in a row compute nothing while requests were unfinished."""
 
 
 class Engine:
@@ -275,14 +282,23 @@ class Engine:
         taken (idle stretches before a late arrival are skipped, not counted)."""
         for item in workload:
             self.add_request(item)
-        taken = 0
+        taken = idle = 0
         while self.has_unfinished():
             self._skip_idle_steps()
             if taken >= max_steps:
                 raise RuntimeError(f"workload not finished after {max_steps} steps")
-            self.step()
+            record = self.step()
             taken += 1
+            idle = idle + 1 if record.prefill_tokens + record.decode_tokens == 0 else 0
+            if idle >= STALL_STEPS:
+                raise EngineStalledError(self._stall_report())
         return self.requests
+
+    def _stall_report(self) -> str:
+        s, a = self.scheduler, self.alloc
+        return (f"no token computed in {STALL_STEPS} steps with requests unfinished: {len(s.running)} running, "
+                f"{len(s.waiting)} waiting, {len(s.swapped)} swapped; {a.num_free} of {a.num_blocks} blocks "
+                f"free (blocks that never come back to the pool: a leak? requests never admitted?)")
 
     def _skip_idle_steps(self) -> None:
         """With nothing queued and only later arrivals left, jump to the next arrival: an idle

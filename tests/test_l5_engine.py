@@ -506,3 +506,27 @@ def test_engine_rejects_unknown_mode_and_policy(model):
         make_engine(model, 8, BLOCK_SIZE, prefill_chunk=0)
     with pytest.raises(ValueError, match="watermark_blocks"):
         make_engine(model, 8, BLOCK_SIZE, watermark_blocks=-1)
+
+
+def test_an_engine_that_leaks_blocks_fails_fast_with_a_diagnosis(model, monkeypatch):
+    """A swap-out that never gives its blocks back (a student bug): the pool drains, nothing can
+    run, and `run` must say so within STALL_STEPS steps, not spin until the test's time limit."""
+    import time
+
+    from l5_eviction import EngineStalledError
+    from l5_eviction.engine import STALL_STEPS
+
+    def swap_out_keeping_blocks(self, req):
+        req.swapped = None
+        req.blocks, req.slot_indices = [], []  # forgets them without freeing them
+        req.state = State.SWAPPED
+        self.counters.preempted_swap += 1
+
+    monkeypatch.setattr(Preemptor, "swap_out", swap_out_keeping_blocks)
+    monkeypatch.setattr(Preemptor, "blocks_to_swap_in", lambda self, req: 1)
+    monkeypatch.setattr(Preemptor, "swap_in", lambda self, req: None)
+    engine = make_engine(model, quarter_pool(WORKLOAD), BLOCK_SIZE, preempt="swap")
+    started = time.monotonic()
+    with pytest.raises(EngineStalledError, match=rf"no token computed in {STALL_STEPS} steps .* blocks free"):
+        engine.run(WORKLOAD, max_steps=100_000)
+    assert time.monotonic() - started < 60 and engine.now < 10 * STALL_STEPS
