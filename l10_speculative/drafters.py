@@ -21,6 +21,7 @@ from l1_contiguous import InputError
 from l2_paged import BlockAllocator, OutOfBlocksError, Request, release
 from l3_block_kernel import BlockKvPool
 from l5_eviction import StepRunner, load_engine_model
+from l8_prefix import is_greedy
 
 from .rewind import rewind
 
@@ -147,7 +148,7 @@ class _DraftSeq(Request):
 
 def _pick(req, logits_row: torch.Tensor):
     """The draft's id at the request's temperature: (argmax, None) or (a draw, its distribution)."""
-    if req.temperature <= 0:
+    if is_greedy(req.temperature):
         return int(logits_row.argmax()), None
     q = torch.softmax(logits_row.float() / req.temperature, dim=-1)
     return int(torch.multinomial(q, 1, generator=req.generator)), q

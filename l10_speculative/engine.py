@@ -24,7 +24,7 @@ import torch
 from l1_contiguous import InputError
 from l1_contiguous.errors import one_line
 from l5_eviction import Scheduler, State, StepRunner, make_engine
-from l8_prefix import PrefixEngine, PrefixRequest, PrefixScheduler
+from l8_prefix import PrefixEngine, PrefixRequest, PrefixScheduler, is_greedy
 
 from .acceptance import accept_greedy, accept_sampled, next_k
 from .rewind import rewind
@@ -176,7 +176,7 @@ class SpecEngine(PrefixEngine):
 
     def _verify(self, req: SpecRequest, rows: torch.Tensor) -> list[int]:
         """The ids this step produces for `req`: kept proposals, then the target's own next id."""
-        if req.temperature <= 0:
+        if is_greedy(req.temperature):
             return accept_greedy(req.draft, rows.argmax(-1).tolist())
         probs = torch.softmax(rows.float() / req.temperature, dim=-1)
         draft_probs = None if req.draft_probs is None else req.draft_probs[:len(req.draft)]

@@ -1,7 +1,7 @@
 """The HTTP side (lesson L11, §2.1 and §2.3): routes, a request's life as a stream of server-sent events.
 
     POST /v1/completions   OpenAI's completions: text or ids in, text out (streamed or whole)
-    GET  /v1/models        the one model served
+    GET  /v1/models        the one model served (and /v1/models/{id})
     GET  /health           200 while the engine loop runs
     GET  /metrics          Prometheus text format
     GET  /pool             the block pool and queues as JSON (what the page draws)
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -51,6 +52,56 @@ class Choice:
     finish_reason: str | None = None
 
 
+MAX_BODY_BYTES = 4 * 2**20  # a prompt of the largest context is far smaller; more is a mistake or an attack
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _body_within_limit(request: Request) -> bytes:
+    """The body, read chunk by chunk and refused past MAX_BODY_BYTES (a missing or false
+    Content-Length cannot make the server hold more)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _not_found(request: Request, exc) -> JSONResponse:
+    return error(404, f"no route {request.method} {request.url.path}; this server has POST /v1/completions, "
+                      f"GET /v1/models, /health, /metrics, /pool and /")
+
+
+async def _not_allowed(request: Request, exc) -> JSONResponse:
+    return error(405, f"{request.method} is not allowed on {request.url.path}",
+                 headers={"Allow": exc.headers.get("Allow", "")} if getattr(exc, "headers", None) else None)
+
+
+class RequestIdMiddleware:
+    """Every response carries `x-request-id`: the client's own if it sent one, else a new one (a
+    pure ASGI middleware, so streamed responses are not buffered)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+        rid = given[:128] if given and given.isascii() else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}; `code` is a string or
     null there (the HTTP status carries the number), so null here."""
@@ -66,11 +117,22 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
     waiting = {"count": 0}  # streams without their first token (asyncio thread only)
 
     async def completions(request: Request) -> Response:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return error(413, f"the body has {int(declared):,} bytes; the limit is {MAX_BODY_BYTES:,}")
         try:
-            body = json.loads(await request.body() or b"null")
+            body = json.loads(await _body_within_limit(request) or b"null")
             params = parse_completion(body, tokenizer, config.model_name)
+        except BodyTooLarge:
+            return error(413, f"the body is over the limit of {MAX_BODY_BYTES:,} bytes")
         except json.JSONDecodeError as exc:
             return error(400, f"the body is not valid JSON ({exc.msg} at character {exc.pos})")
+        except UnicodeDecodeError:
+            return error(400, "the body is not UTF-8 text; send JSON encoded as UTF-8")
+        except RecursionError:
+            return error(400, "the body nests too deeply to be a completion request")
+        except ValueError as exc:  # e.g. an integer of thousands of digits
+            return error(400, f"the body cannot be read as a completion request ({one_line(exc)})")
         except InputError as exc:
             loop.metrics.rejected.labels("bad_request").inc()
             return error(400, str(exc))
@@ -80,13 +142,19 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
                          "rate_limit_error", headers={"Retry-After": "1"})
         if not loop.alive:
             return error(503, f"{_not_running(loop)}; see the server's log", "server_error")
+        # The slot is taken before the first await: a burst cannot pass the check above together.
+        waiting["count"] += 1
         stream = loop.submit(params.work_item())
         try:
             await asyncio.wrap_future(stream.accepted)
         except InputError as exc:  # what only the engine could judge: too long, or a pool too small
+            waiting["count"] -= 1
             loop.metrics.rejected.labels("bad_request").inc()
             return error(400, str(exc))
-        waiting["count"] += 1
+        except BaseException:  # the client left (cancelled) before the engine took the request
+            waiting["count"] -= 1
+            loop.abort(stream)
+            raise
         choices = [Choice(StopMatcher(tokenizer, params.stop)) if tokenizer else Choice(None)
                    for _ in range(params.n)]
         steps = _choice_steps(loop, stream, params, choices, waiting)
@@ -97,11 +165,18 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _whole(request, steps, head, params, choices)
 
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kv-cache-course",
+                "max_model_len": loop.engine.model.config.max_position_embeddings}
+
     async def models(request: Request) -> Response:
-        cfg = loop.engine.model.config
-        return JSONResponse({"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": 0, "owned_by": "kv-cache-course",
-            "max_model_len": cfg.max_position_embeddings}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def one_model(request: Request) -> Response:
+        if request.path_params["model_id"] != config.model_name:
+            return error(404, f"no model {request.path_params['model_id']!r} here; GET /v1/models lists "
+                              f"the one served, {config.model_name!r}")
+        return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:
         if loop.alive:
@@ -124,8 +199,11 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
         await asyncio.to_thread(loop.stop)
 
     routes = [Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models),
+              Route("/v1/models/{model_id:path}", one_model),
               Route("/health", health), Route("/metrics", metrics), Route("/pool", pool), Route("/", page)]
-    return Starlette(routes=routes, lifespan=lifespan)
+    handlers = {404: _not_found, 405: _not_allowed}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers,
+                     middleware=[Middleware(RequestIdMiddleware)])
 
 
 async def _choice_steps(loop: EngineLoop, stream: Stream, params: CompletionParams, choices: list[Choice],

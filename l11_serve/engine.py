@@ -19,7 +19,7 @@ import torch
 
 from l1_contiguous import InputError
 from l5_eviction import State, make_engine
-from l8_prefix import PrefixEngine, PrefixRequest, SampledWorkItem
+from l8_prefix import PrefixEngine, PrefixRequest, SampledWorkItem, is_greedy
 
 
 @dataclass
@@ -58,8 +58,8 @@ class ServeEngine(PrefixEngine):
         req.top_p = first.top_p
 
     def _sample(self, reqs, logits) -> list[int]:
-        if any(r.temperature > 0 and r.top_p < 1 for r in reqs):
-            logits = torch.stack([nucleus(row, r.temperature, r.top_p) if r.temperature > 0 else row
+        if any(not is_greedy(r.temperature) and r.top_p < 1 for r in reqs):
+            logits = torch.stack([nucleus(row, r.temperature, r.top_p) if not is_greedy(r.temperature) else row
                                   for r, row in zip(reqs, logits)])
         return super()._sample(reqs, logits)  # the forks' first draw reads these (cut) rows too
 

@@ -78,6 +78,7 @@ def _prompt(prompt, tokenizer) -> list[int]:
             raise InputError("prompt is empty; send some text or a list of token ids")
         if tokenizer is None:
             raise InputError("this model folder has no tokenizer; send the prompt as a list of token ids")
+        _unicode(prompt, "prompt")
         return tokenizer.encode(prompt, add_special_tokens=False)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise InputError("send one prompt per request (a list of prompts is not supported)")
@@ -94,11 +95,27 @@ def _ids(value, name: str) -> list[int]:
     return value  # the engine checks each against the vocabulary
 
 
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # matched against every new token's text: bounded work per token
+
+
 def _stop(stop) -> list[str]:
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise InputError(f"stop must be a non-empty string or a list of them, got {short_repr(stop)}")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise InputError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+    for s in stop:
+        _unicode(s, "stop")
     return stop
+
+
+def _unicode(text: str, name: str) -> None:
+    """JSON can carry a lone surrogate (\\ud800), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(f"{name} holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape); send valid "
+                         f"Unicode") from None
 
 
 def _int(body: dict, name: str, default, low: int, high: int | None = None) -> int:

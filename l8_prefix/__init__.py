@@ -2,12 +2,12 @@
 
 from .block_hash import block_key, chain_keys
 from .cow import copy_on_write, shared_write_block
-from .engine import (PrefixCounters, PrefixEngine, PrefixRequest, PrefixScheduler, SampledWorkItem, draw,
-                     make_prefix_engine)
+from .engine import (GREEDY_BELOW, PrefixCounters, PrefixEngine, PrefixRequest, PrefixScheduler, SampledWorkItem,
+                     draw, is_greedy, make_prefix_engine)
 from .prefix_allocator import PrefixBlockAllocator
 
 __all__ = [
     "block_key", "chain_keys", "copy_on_write", "shared_write_block", "PrefixCounters", "PrefixEngine",
-    "PrefixRequest", "PrefixScheduler", "SampledWorkItem", "draw", "make_prefix_engine",
+    "PrefixRequest", "PrefixScheduler", "SampledWorkItem", "draw", "make_prefix_engine", "GREEDY_BELOW", "is_greedy",
     "PrefixBlockAllocator",
 ]

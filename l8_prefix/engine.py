@@ -32,6 +32,13 @@ from .prefix_allocator import PrefixBlockAllocator
 
 
 MAX_TEMPERATURE = 100.0  # above this, softmax(logits / T) is all but uniform: sampling noise, not text
+# Below this a temperature is greedy (vLLM's rule too): softmax(logits / T) is one-hot there anyway,
+# and a T such as 1e-39 would overflow logits / T to inf and the softmax to NaN.
+GREEDY_BELOW = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_BELOW
 SEED_LIMIT = 2**64  # torch.Generator seeds are unsigned 64-bit; sample k uses seed + k
 
 
@@ -315,8 +322,9 @@ class PrefixEngine(Engine):
 
 
 def draw(req: PrefixRequest, logits_row: torch.Tensor) -> int:
-    """Greedy at temperature 0, else one draw from softmax(logits / T) with the request's generator."""
-    if req.temperature <= 0:
+    """Greedy at temperature 0 (below GREEDY_BELOW), else one draw from softmax(logits / T) with the
+    request's generator."""
+    if is_greedy(req.temperature):
         return int(logits_row.argmax())
     probs = torch.softmax(logits_row.float() / req.temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=req.generator))

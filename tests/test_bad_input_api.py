@@ -279,3 +279,17 @@ def test_l2_generate_refuses_before_taking_a_block(name, tiny_model_dir):
     assert alloc.num_free == 16 and good.cur_len == 0
     runner.generate([good])
     assert good.output_ids == hf_alone(tiny_model_dir, GOOD) and alloc.num_free == 16
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-30, 5e-6])
+def test_a_temperature_below_the_floor_is_greedy_not_nan(model, tiny_model_dir, temperature):
+    """1e-39 passed the check and then made softmax(logits / T) NaN: the request ended with no text.
+    Below GREEDY_BELOW (1e-5, vLLM's rule) a temperature is greedy."""
+    from l8_prefix import GREEDY_BELOW
+
+    assert temperature < GREEDY_BELOW
+    engine = make_prefix_engine(model, 64, 4)
+    engine.add_request(SampledWorkItem(list(GOOD.prompt_ids), GOOD.max_new_tokens, temperature=temperature, seed=1))
+    engine.run(max_steps=200)
+    req = engine.requests[0]
+    assert req.finish_reason == "length" and req.output_ids == hf_alone(tiny_model_dir, GOOD)

@@ -3,7 +3,9 @@ backpressure, and top_p. The server runs the embedded model and its tokenizer.""
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import pytest
 from starlette.testclient import TestClient
@@ -216,3 +218,73 @@ def test_an_error_body_has_openais_shape_with_a_null_code(served):
     error = r.json()["error"]
     assert r.status_code == 400 and error["code"] is None and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
+
+
+# ---------------------------------------------------------------- robust at the door (issue 33's probe)
+
+BAD_BODIES = {
+    "not UTF-8": b'{"prompt": "\xff\xfe", "max_tokens": 2}',
+    "a lone surrogate in the prompt": b'{"prompt": "Blessed \\ud800", "max_tokens": 2}',
+    "a lone surrogate in a stop string": b'{"prompt": "Blessed", "stop": ["\\udfff"], "max_tokens": 2}',
+    "100,000-deep nesting": b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "a 5,000-digit integer": b'{"prompt": "Blessed", "max_tokens": ' + b"9" * 5000 + b"}",
+    "17 stop strings": json.dumps({"prompt": "Blessed", "stop": [f"s{i}" for i in range(17)]}).encode(),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_BODIES))
+def test_a_body_that_cannot_be_a_request_is_a_json_400(served, name):
+    client, loop, _ = served
+    r = client.post("/v1/completions", content=BAD_BODIES[name], headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text[:300]
+    assert complete(client, max_tokens=2).status_code == 200  # and the server goes on
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(served):
+    from l11_serve.app import MAX_BODY_BYTES
+
+    client = served[0]
+    r = client.post("/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/chat/nothing", 404), ("GET", "/nope", 404),
+                                                ("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405)])
+def test_unknown_routes_and_methods_answer_in_openais_error_shape(served, method, path, status):
+    r = served[0].request(method, path)
+    assert r.status_code == status and r.headers["content-type"].startswith("application/json")
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_one_model_by_id_and_a_request_id_on_every_answer(served):
+    client, loop, _ = served
+    listed = client.get("/v1/models").json()["data"][0]
+    assert client.get(f"/v1/models/{listed['id']}").json() == listed
+    assert client.get("/v1/models/another-model").status_code == 404
+    mine = client.get("/health", headers={"x-request-id": "trace-42"})
+    assert mine.headers["x-request-id"] == "trace-42"
+    assert len(client.get("/health").headers["x-request-id"]) == 32
+
+
+def test_max_waiting_is_a_bound_under_a_burst(embedded_model_dir):
+    """20 requests at once with --max-waiting 2: the check and the count used to straddle an await,
+    and 12-13 got in. Now at most 2 are admitted while none has its first token yet."""
+    import asyncio
+
+    import httpx
+
+    app, loop, _ = build_server(embedded_model_dir, num_blocks=64, block_size=16, max_waiting=2)
+    real_step = loop._step
+    loop._step = lambda: (time.sleep(0.05), real_step())  # slow steps: the burst lands before any token
+
+    async def burst():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+            return await asyncio.gather(*[client.post("/v1/completions", json=body, timeout=TIMEOUT_S)
+                                          for _ in range(20)])
+
+    with TestClient(app):  # the lifespan: the engine thread runs
+        answers = asyncio.run(burst())
+    codes = sorted(r.status_code for r in answers)
+    assert codes.count(200) <= 2 and codes.count(429) >= 18, codes
