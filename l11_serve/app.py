@@ -1,6 +1,8 @@
 """The HTTP side (lesson L11, §2.1 and §2.3): routes, a request's life as a stream of server-sent events.
 
     POST /v1/completions   OpenAI's completions: text or ids in, text out (streamed or whole)
+    POST /v1/chat/completions  OpenAI's chat: messages through the chat template, then the same
+    POST /tokenize, /detokenize  vLLM's shapes: text or messages -> ids, ids -> text
     GET  /v1/models        the one model served (and /v1/models/{id})
     GET  /health           200 while the engine loop runs
     GET  /metrics          Prometheus text format
@@ -29,7 +31,8 @@ from l1_contiguous import InputError
 from l1_contiguous.errors import one_line
 
 from .loop import EngineLoop, Stream
-from .protocol import CompletionParams, parse_completion
+from .protocol import CompletionParams, chat_prompt_ids, parse_chat, parse_completion
+from .protocol import messages as parse_messages
 from .stops import StopMatcher
 
 log = logging.getLogger("l11_serve")
@@ -117,12 +120,18 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
     waiting = {"count": 0}  # streams without their first token (asyncio thread only)
 
     async def completions(request: Request) -> Response:
+        return await serve(request, parse_completion, TEXT)
+
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, parse_chat, CHAT)
+
+    async def serve(request: Request, parse, shape: "Shape") -> Response:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return error(413, f"the body has {int(declared):,} bytes; the limit is {MAX_BODY_BYTES:,}")
         try:
             body = json.loads(await _body_within_limit(request) or b"null")
-            params = parse_completion(body, tokenizer, config.model_name)
+            params = parse(body, tokenizer, config.model_name)
         except BodyTooLarge:
             return error(413, f"the body is over the limit of {MAX_BODY_BYTES:,} bytes")
         except json.JSONDecodeError as exc:
@@ -158,12 +167,13 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
         choices = [Choice(StopMatcher(tokenizer, params.stop)) if tokenizer else Choice(None)
                    for _ in range(params.n)]
         steps = _choice_steps(loop, stream, params, choices, waiting)
-        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": config.model_name}
+        rid, created = f"{shape.id_prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
+        head = {"id": rid, "object": shape.chunk_object if params.stream else shape.object, "created": created,
+                "model": config.model_name}
         if params.stream:
-            return StreamingResponse(_sse(steps, head, params, choices), media_type="text/event-stream",
+            return StreamingResponse(_sse(steps, head, params, choices, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _whole(request, steps, head, params, choices)
+        return await _whole(request, steps, head, params, choices, shape)
 
     def model_card() -> dict:
         return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kv-cache-course",
@@ -177,6 +187,36 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
             return error(404, f"no model {request.path_params['model_id']!r} here; GET /v1/models lists "
                               f"the one served, {config.model_name!r}")
         return JSONResponse(model_card())
+
+    async def tokenize(request: Request) -> Response:
+        """vLLM's shape: {"prompt": text} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}."""
+        try:
+            body = json.loads(await _body_within_limit(request) or b"null")
+            if tokenizer is None:
+                raise InputError("this model folder has no tokenizer")
+            if not isinstance(body, dict) or not (isinstance(body.get("prompt"), str) or "messages" in body):
+                raise InputError('send {"prompt": "text"} or {"messages": [...]}')
+            ids = (chat_prompt_ids(parse_messages(body["messages"]), tokenizer) if "messages" in body
+                   else tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens"))))
+        except (BodyTooLarge, ValueError, RecursionError, InputError) as exc:
+            return error(400, str(exc) if isinstance(exc, InputError) else "the body is not a tokenize request")
+        return JSONResponse({"count": len(ids), "max_model_len": loop.engine.model.config.max_position_embeddings,
+                             "tokens": ids})
+
+    async def detokenize(request: Request) -> Response:
+        """{"tokens": [ids]} -> {"prompt": text}."""
+        try:
+            body = json.loads(await _body_within_limit(request) or b"null")
+            if tokenizer is None:
+                raise InputError("this model folder has no tokenizer")
+            vocab = loop.engine.model.config.vocab_size
+            ids = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                    and 0 <= i < vocab for i in ids):
+                raise InputError(f'send {{"tokens": [ids in 0..{vocab - 1}]}}')
+        except (BodyTooLarge, ValueError, RecursionError, InputError) as exc:
+            return error(400, str(exc) if isinstance(exc, InputError) else "the body is not a detokenize request")
+        return JSONResponse({"prompt": tokenizer.decode(ids)})
 
     async def health(request: Request) -> Response:
         if loop.alive:
@@ -198,7 +238,9 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
         yield
         await asyncio.to_thread(loop.stop)
 
-    routes = [Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models),
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/v1/models", models),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
               Route("/v1/models/{model_id:path}", one_model),
               Route("/health", health), Route("/metrics", metrics), Route("/pool", pool), Route("/", page)]
     handlers = {404: _not_found, 405: _not_allowed}
@@ -246,16 +288,52 @@ def _usage(params: CompletionParams, choices: list[Choice]) -> dict:
             "total_tokens": len(params.prompt_ids) + out}
 
 
-async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice]):
+@dataclass(frozen=True)
+class Shape:
+    """How the two APIs dress the same choices: completions carry `text`, chat a message (whole)
+    or a `delta` (streamed, the role in each choice's first chunk)."""
+
+    object: str
+    chunk_object: str
+    id_prefix: str
+    chat: bool
+
+    def streamed(self, i: int, text: str, ids: list[int], finish) -> dict:
+        if not self.chat:
+            return {"index": i, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "delta": {"content": text} if text else {}, "token_ids": ids, "logprobs": None,
+                "finish_reason": finish}
+
+    def opening(self, i: int) -> dict | None:
+        """Chat's first chunk of a choice: the role alone, as OpenAI sends it."""
+        if not self.chat:
+            return None
+        return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def whole(self, i: int, text: str, ids: list[int], finish) -> dict:
+        if not self.chat:
+            return {"index": i, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "message": {"role": "assistant", "content": text}, "token_ids": ids, "logprobs": None,
+                "finish_reason": finish}
+
+
+TEXT = Shape("text_completion", "text_completion", "cmpl", chat=False)
+CHAT = Shape("chat.completion", "chat.completion.chunk", "chatcmpl", chat=True)
+
+
+async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice], shape: Shape = TEXT):
     """Per engine step, one event for each choice it advanced (one choice per chunk, as OpenAI and
     vLLM send for n > 1: clients read `chunk.choices[0]` and its `index`), then usage if asked,
     then [DONE]. If making the text fails, an OpenAI-style error event ends the stream instead of
     a cut connection."""
+    started: set[int] = set()
     try:
         async for out in steps:
             for i, text, ids, finish in out:
-                chunk = {**head, "choices": [{"index": i, "text": text, "token_ids": ids, "logprobs": None,
-                                              "finish_reason": finish}]}
+                if i not in started and shape.opening(i) is not None:
+                    yield f"data: {json.dumps({**head, 'choices': [shape.opening(i)]})}\n\n"
+                started.add(i)
+                chunk = {**head, "choices": [shape.streamed(i, text, ids, finish)]}
                 yield f"data: {json.dumps(chunk)}\n\n"
     except Exception as exc:
         log.exception("a completion stream failed")
@@ -268,7 +346,8 @@ async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice
     yield "data: [DONE]\n\n"
 
 
-async def _whole(request: Request, steps, head: dict, params: CompletionParams, choices: list[Choice]) -> Response:
+async def _whole(request: Request, steps, head: dict, params: CompletionParams, choices: list[Choice],
+                 shape: Shape = TEXT) -> Response:
     """Collect every step, or stop as soon as the client hangs up (then the samples are aborted)."""
     texts = [""] * len(choices)
 
@@ -293,7 +372,6 @@ async def _whole(request: Request, steps, head: dict, params: CompletionParams, 
         return error(500, f"the server failed: {one_line(collecting.exception())}", "server_error")
     if any(c.finish_reason is None for c in choices):
         return error(499, "client closed the request", "client_closed")  # nobody reads it
-    body = {**head, "choices": [{"index": i, "text": texts[i], "token_ids": c.token_ids, "logprobs": None,
-                                 "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+    body = {**head, "choices": [shape.whole(i, texts[i], c.token_ids, c.finish_reason) for i, c in enumerate(choices)],
             "usage": _usage(params, choices)}
     return JSONResponse(body)

@@ -70,6 +70,69 @@ def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
         include_usage=_bool(options, "include_usage"))
 
 
+CHAT_NEUTRAL = {**NEUTRAL, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+                "tool_choice": (None, "none"), "parallel_tool_calls": None, "response_format": (None, {"type": "text"}),
+                "store": (None, False), "metadata": None, "service_tier": None}
+ROLES = ("system", "user", "assistant", "developer")
+# For a model folder whose tokenizer has no chat template (the embedded KJV model was never taught
+# to chat): each message on its own line as "role: text", then "assistant:" for the model to go on.
+MINIMAL_TEMPLATE = "{role}: {content}\n"
+
+
+def parse_chat(body, tokenizer, model_name: str) -> CompletionParams:
+    """OpenAI's chat completions: `messages` through the tokenizer's chat template (a real Qwen3
+    folder's own; MINIMAL_TEMPLATE where it has none), then the same request as a completion."""
+    if not isinstance(body, dict):
+        raise InputError("the request body must be a JSON object like {\"messages\": [{\"role\": \"user\", "
+                         "\"content\": \"...\"}]}")
+    if tokenizer is None:
+        raise InputError("chat needs a tokenizer and this model folder has none; use /v1/completions with ids")
+    known = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop",
+             "stream", "stream_options", *CHAT_NEUTRAL}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise InputError(f"unknown field {unknown[0]!r}; this server reads {', '.join(sorted(known))}")
+    for name, neutral in CHAT_NEUTRAL.items():
+        if neutral is not None and body.get(name, neutral[0]) not in neutral:
+            raise InputError(f"{name}={short_repr(body[name])} is not supported by this server; leave it out")
+    prompt_ids = chat_prompt_ids(messages(body.get("messages")), tokenizer)
+    rest = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", *CHAT_NEUTRAL)}
+    if body.get("max_completion_tokens") is not None:
+        rest["max_tokens"] = body["max_completion_tokens"]
+    return parse_completion({**rest, "prompt": prompt_ids}, tokenizer, model_name)
+
+
+def messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise InputError("messages must be a non-empty list of {\"role\": ..., \"content\": ...}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or set(m) - {"role", "content", "name"}:
+            raise InputError(f"messages[{i}] must be {{\"role\": one of {', '.join(ROLES)}, \"content\": text}}, "
+                             f"got {short_repr(m)}")
+        content = m.get("content")
+        if isinstance(content, list):  # the parts form: only text parts
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InputError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InputError(f"messages[{i}].content must be a string, got {short_repr(content)}")
+        _unicode(content, f"messages[{i}].content")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def chat_prompt_ids(messages: list[dict], tokenizer) -> list[int]:
+    """The ids the model continues from: the folder's chat template with the assistant's turn
+    opened, or MINIMAL_TEMPLATE."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
+    text = "".join(MINIMAL_TEMPLATE.format(**m) for m in messages) + "assistant:"
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def _prompt(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one

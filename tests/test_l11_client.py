@@ -115,7 +115,7 @@ def check_a_hang_up_mid_stream(server) -> None:
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]  # a few steps' events (and blank separators), then hang up
+        got = [next(lines) for _ in range(18)]  # a few steps of 3 samples (one event each, blank lines between)
         assert loop.snapshot["blocks_used"] > 0 and any(line.startswith("data: ") for line in got)
     wait_idle(loop)
     assert_no_leak(loop)
@@ -259,3 +259,58 @@ def check_a_waiting_request_left_is_never_decoded(embedded_model_dir) -> None:
         metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
         assert 'kvcourse_requests_finished_total{reason="aborted"} 1.0' in metrics
         assert_no_leak(loop)
+
+
+# ---------------------------------------------------------------- chat completions
+
+
+def test_chat_completions_through_the_openai_client_equal_hf_on_the_templated_prompt(server, embedded_model_dir):
+    """`client.chat.completions.create`, whole and streamed: the assistant's text is HF's greedy
+    continuation of the chat-templated prompt; streaming sends the role first, then content."""
+    url, client, loop, tok = server
+    from l11_serve.protocol import chat_prompt_ids
+
+    messages = [{"role": "system", "content": "Answer as the scribe."}, {"role": "user", "content": "Blessed are the"}]
+    ids = chat_prompt_ids(messages, tok)
+    assert ids == tok.encode("system: Answer as the scribe.\nuser: Blessed are the\nassistant:", add_special_tokens=False)
+    want = hf_ids(embedded_model_dir, ids, 12)
+    whole = client.chat.completions.create(model="tiny-qwen3-kjv", messages=messages, max_tokens=12, temperature=0)
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == tok.decode(want, skip_special_tokens=True)
+    assert choice.finish_reason in ("length", "stop") and whole.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model="tiny-qwen3-kjv", messages=messages, max_tokens=12,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and not chunks[0].choices[0].delta.content
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    wait_idle(loop)
+    assert_no_leak(loop)
+
+
+def test_a_folders_own_chat_template_is_used(embedded_model_dir):
+    from transformers import AutoTokenizer
+
+    from l11_serve.protocol import chat_prompt_ids, parse_chat
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir))
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = [{"role": "user", "content": "Who begat Enos?"}]
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert chat_prompt_ids(messages, tok) == want
+    assert parse_chat({"messages": messages, "max_completion_tokens": 3}, tok, "m").prompt_ids == want
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"messages": []}, "non-empty"), ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "content"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "bogus": 1}, "unknown field 'bogus'"),
+])
+def test_a_bad_chat_request_is_a_400_naming_what_is_wrong(server, body, words):
+    url = server[0]
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text

@@ -288,3 +288,14 @@ def test_max_waiting_is_a_bound_under_a_burst(embedded_model_dir):
         answers = asyncio.run(burst())
     codes = sorted(r.status_code for r in answers)
     assert codes.count(200) <= 2 and codes.count(429) >= 18, codes
+
+
+def test_tokenize_and_detokenize_in_vllms_shape(served):
+    client, loop, tok = served
+    r = client.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert r["tokens"] == tok.encode(PROMPT, add_special_tokens=False) and r["count"] == len(r["tokens"])
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Amen"}]}).json()["tokens"]
+    assert tok.decode(chat) == "user: Amen\nassistant:"
+    for path, body in (("/tokenize", {"prompt": 3}), ("/detokenize", {"tokens": [-1]}), ("/detokenize", {})):
+        assert client.post(path, json=body).status_code == 400
