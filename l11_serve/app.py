@@ -334,6 +334,10 @@ async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice
                     yield f"data: {json.dumps({**head, 'choices': [shape.opening(i)]})}\n\n"
                 started.add(i)
                 chunk = {**head, "choices": [shape.streamed(i, text, ids, finish)]}
+                if params.continuous_usage:  # vLLM's stream_options.continuous_usage_stats
+                    chunk["usage"] = _usage(params, choices)
+                elif params.include_usage:  # OpenAI: null in every chunk but the last
+                    chunk["usage"] = None
                 yield f"data: {json.dumps(chunk)}\n\n"
     except Exception as exc:
         log.exception("a completion stream failed")

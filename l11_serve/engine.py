@@ -25,11 +25,24 @@ from l8_prefix import PrefixEngine, PrefixRequest, SampledWorkItem, is_greedy
 @dataclass
 class ServeItem(SampledWorkItem):
     top_p: float = 1.0  # 1: the whole distribution
+    ignore_eos: bool = False  # go on past the model's EOS (it stays in the ids), as vLLM's option
+    min_tokens: int = 0  # EOS and stop ids cannot be picked before this many new tokens
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every id already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time an id was generated
+    repetition_penalty: float = 1.0  # vLLM's (CTRL's): ids of prompt or output, logit / r if > 0 else * r
+
+
+PER_REQUEST = ("top_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
 class ServeRequest(PrefixRequest):
     top_p: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 class ServeEngine(PrefixEngine):
@@ -46,22 +59,59 @@ class ServeEngine(PrefixEngine):
         top_p = getattr(item, "top_p", 1.0)
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise InputError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        if not isinstance(getattr(item, "ignore_eos", False), bool):
+            raise InputError(f"ignore_eos must be true or false, got {item.ignore_eos!r}")
+        low = getattr(item, "min_tokens", 0)
+        if isinstance(low, bool) or not isinstance(low, int) or not 0 <= low <= item.max_new_tokens:
+            raise InputError(f"min_tokens must be an int from 0 to max_tokens ({item.max_new_tokens}), got {low!r}")
+        for name, lo, hi in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("repetition_penalty", 0, 2)):
+            value = getattr(item, name, getattr(ServeRequest, name))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi \
+                    or (name == "repetition_penalty" and value == 0):
+                raise InputError(f"{name} must be a number in {'(0' if lo == 0 else f'[{lo}'}, {hi}], got {value!r}")
 
     def _new_request(self, item) -> ServeRequest:
         req = super()._new_request(item)
         req.request_id = req.group = next(self._ids)  # not len(self.requests): finished ones are dropped
-        req.top_p = getattr(item, "top_p", 1.0)
+        for name in PER_REQUEST:
+            setattr(req, name, getattr(item, name, getattr(ServeRequest, name)))
         return req
 
     def _as_sample(self, req, first, k) -> None:
         super()._as_sample(req, first, k)
-        req.top_p = first.top_p
+        for name in PER_REQUEST:
+            setattr(req, name, getattr(first, name))
+
+    def _maybe_finish(self, req) -> None:
+        if req.ignore_eos and req.output_ids[-1] in self.eos_ids and req.output_ids[-1] not in req.stop_token_ids:
+            if len(req.output_ids) >= req.max_new_tokens:
+                self._finish(req, "length")
+            return
+        super()._maybe_finish(req)
 
     def _sample(self, reqs, logits) -> list[int]:
+        if any(_adjusts(r) for r in reqs):
+            logits = torch.stack([self._adjusted(r, row) if _adjusts(r) else row for r, row in zip(reqs, logits)])
         if any(not is_greedy(r.temperature) and r.top_p < 1 for r in reqs):
             logits = torch.stack([nucleus(row, r.temperature, r.top_p) if not is_greedy(r.temperature) else row
                                   for r, row in zip(reqs, logits)])
         return super()._sample(reqs, logits)  # the forks' first draw reads these (cut) rows too
+
+    def _adjusted(self, req, row: torch.Tensor) -> torch.Tensor:
+        """The row after the request's penalties and its min_tokens mask (a copy)."""
+        row = row.float().clone()
+        if req.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.prompt_ids) | set(req.output_ids)), dtype=torch.long, device=row.device)
+            picked = row[seen]
+            row[seen] = torch.where(picked > 0, picked / req.repetition_penalty, picked * req.repetition_penalty)
+        if req.output_ids and (req.presence_penalty or req.frequency_penalty):
+            ids, counts = torch.tensor(req.output_ids, device=row.device).unique(return_counts=True)
+            row[ids] -= req.presence_penalty + req.frequency_penalty * counts.to(row.dtype)
+        if len(req.output_ids) < req.min_tokens:
+            banned = (set() if req.ignore_eos else set(self.eos_ids)) | set(req.stop_token_ids)
+            if banned:
+                row[torch.tensor(sorted(banned), device=row.device)] = float("-inf")
+        return row
 
     def forget_finished(self) -> list[ServeRequest]:
         """Drop finished requests from `requests` (their blocks went back when they finished)."""
@@ -77,6 +127,11 @@ class ServeEngine(PrefixEngine):
         return [("shared" if a.ref_count[b] > 1 else "used" if a.ref_count[b] == 1
                  else "cached" if b in a.cached_free else "free", a.ref_count[b], owner.get(b, -1))
                 for b in range(a.num_blocks)]
+
+
+def _adjusts(req) -> bool:
+    return (req.repetition_penalty != 1.0 or req.presence_penalty != 0 or req.frequency_penalty != 0
+            or len(req.output_ids) < req.min_tokens)
 
 
 def nucleus(row: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -17,8 +17,8 @@ from l1_contiguous.errors import short_repr
 from .engine import ServeItem
 
 # Fields of OpenAI's /v1/completions this server ignores when they hold their neutral value.
-NEUTRAL = {"echo": (False, None), "logprobs": (None,), "best_of": (None, 1), "presence_penalty": (None, 0, 0.0),
-           "frequency_penalty": (None, 0, 0.0), "user": None, "suffix": (None,), "logit_bias": (None, {})}
+NEUTRAL = {"echo": (False, None), "logprobs": (None,), "best_of": (None, 1), "user": None, "suffix": (None,),
+           "logit_bias": (None, {})}
 
 
 @dataclass
@@ -33,17 +33,27 @@ class CompletionParams:
     stop_token_ids: list[int]
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def work_item(self) -> ServeItem:
         return ServeItem(self.prompt_ids, self.max_tokens, n=self.n, temperature=self.temperature,
-                         seed=self.seed, top_p=self.top_p, stop_token_ids=tuple(self.stop_token_ids))
+                         seed=self.seed, top_p=self.top_p, stop_token_ids=tuple(self.stop_token_ids),
+                         ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                         repetition_penalty=self.repetition_penalty)
 
 
 def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
     if not isinstance(body, dict):
         raise InputError("the request body must be a JSON object like {\"prompt\": \"...\", \"max_tokens\": 16}")
     known = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stop_token_ids",
-             "stream", "stream_options", *NEUTRAL}
+             "stream", "stream_options", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", *NEUTRAL}
     unknown = sorted(set(body) - known)
     if unknown:
         raise InputError(f"unknown field {unknown[0]!r}; this server reads {', '.join(sorted(known))}")
@@ -55,11 +65,13 @@ def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
     if body.get("stop") and tokenizer is None:
         raise InputError("stop strings need a tokenizer and this model folder has none; use stop_token_ids")
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise InputError("stream_options must be an object with at most include_usage (a boolean)")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise InputError("stream_options must be an object with at most include_usage and continuous_usage_stats "
+                         "(booleans)")
+    max_tokens = _int(body, "max_tokens", 16, low=1)
     return CompletionParams(
         prompt_ids=_prompt(body.get("prompt"), tokenizer),
-        max_tokens=_int(body, "max_tokens", 16, low=1),
+        max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
         top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, open_low=True),
         n=_int(body, "n", 1, low=1, high=16),
@@ -67,7 +79,13 @@ def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
         stop=_stop(body.get("stop")),
         stop_token_ids=_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
         stream=_bool(body, "stream"),
-        include_usage=_bool(options, "include_usage"))
+        include_usage=_bool(options, "include_usage"),
+        continuous_usage=_bool(options, "continuous_usage_stats"),
+        ignore_eos=_bool(body, "ignore_eos"),
+        min_tokens=_int(body, "min_tokens", 0, low=0, high=max_tokens),
+        presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0.0, high=2.0, open_low=True))
 
 
 CHAT_NEUTRAL = {**NEUTRAL, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
@@ -88,7 +106,8 @@ def parse_chat(body, tokenizer, model_name: str) -> CompletionParams:
     if tokenizer is None:
         raise InputError("chat needs a tokenizer and this model folder has none; use /v1/completions with ids")
     known = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop",
-             "stream", "stream_options", *CHAT_NEUTRAL}
+             "stream", "stream_options", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", *CHAT_NEUTRAL}
     unknown = sorted(set(body) - known)
     if unknown:
         raise InputError(f"unknown field {unknown[0]!r}; this server reads {', '.join(sorted(known))}")

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 from starlette.testclient import TestClient
 
 from helpers import hf_ids
@@ -299,3 +300,106 @@ def test_tokenize_and_detokenize_in_vllms_shape(served):
     assert tok.decode(chat) == "user: Amen\nassistant:"
     for path, body in (("/tokenize", {"prompt": 3}), ("/detokenize", {"tokens": [-1]}), ("/detokenize", {})):
         assert client.post(path, json=body).status_code == 400
+
+
+# ---------------------------------------------------------------- sampling options, against direct computations
+
+
+def _hf_penalised_greedy(model_dir, prompt: list[int], n: int, presence=0.0, frequency=0.0, repetition=1.0):
+    """Greedy decoding with the penalties applied to HF's logits by their published rules
+    (OpenAI: presence once per generated id, frequency per occurrence; vLLM/CTRL: a seen id's
+    logit divided by r if positive, multiplied if not), written here independently of the engine."""
+    from collections import Counter
+
+    from harness import hf_reference as hf
+
+    model, out = hf.load_hf_model(str(model_dir)), []
+    for _ in range(n):
+        row = hf.hf_logits(model, prompt + out)[-1].double()
+        for t in set(prompt) | set(out):
+            row[t] = row[t] / repetition if row[t] > 0 else row[t] * repetition
+        for t, c in Counter(out).items():
+            row[t] -= presence + frequency * c
+        out.append(int(row.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("penalties", [dict(presence_penalty=1.5), dict(frequency_penalty=0.7),
+                                       dict(repetition_penalty=1.8), dict(presence_penalty=-0.5, frequency_penalty=1.2),
+                                       dict(repetition_penalty=1.0, presence_penalty=0, frequency_penalty=0)])
+def test_penalties_follow_their_published_rules(served, embedded_model_dir, penalties):
+    client, _, tok = served
+    prompt = tok.encode(PROMPT, add_special_tokens=False)
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0, **penalties}).json()
+    ids = r["choices"][0]["token_ids"]
+    want = _hf_penalised_greedy(embedded_model_dir, prompt, 24, penalties.get("presence_penalty", 0.0),
+                                penalties.get("frequency_penalty", 0.0), penalties.get("repetition_penalty", 1.0))
+    assert ids == want[:len(ids)] and len(ids) == 24, (ids, want)
+    if any(v not in (0, 1.0) for v in penalties.values()):  # the penalty changed the text: it was applied
+        assert want != _hf_penalised_greedy(embedded_model_dir, prompt, 24)
+
+
+@pytest.fixture(scope="module")
+def eos_model(embedded_model_dir, tmp_path_factory):
+    """The embedded model with its EOS id moved to the id greedy decoding picks 3rd for PROMPT."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from harness import hf_reference as hf
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir))
+    prompt = tok.encode(PROMPT, add_special_tokens=False)
+    free = _hf_penalised_greedy(embedded_model_dir, prompt, 12)
+    eos = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+    folder = tmp_path_factory.mktemp("eos") / "model"
+    shutil.copytree(embedded_model_dir, folder)
+    for name in ("config.json", "generation_config.json"):
+        raw = json.loads((folder / name).read_text())
+        raw["eos_token_id"] = eos
+        (folder / name).write_text(json.dumps(raw))
+    return folder, prompt, eos, free, hf
+
+
+def test_ignore_eos_and_min_tokens_equal_hf(eos_model):
+    """Against HF on the same folder: greedy stops at the EOS id; ignore_eos follows HF's argmax path
+    through it (HF's generate cannot be told to ignore a configured EOS, so its step-by-step argmax
+    is the oracle); min_tokens equals HF generate's min_new_tokens."""
+    folder, prompt, eos, free, hf = eos_model
+    from transformers import GenerationConfig
+
+    model = hf.load_hf_model(str(folder))
+
+    def hf_generate(**kwargs):
+        config = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=0, **kwargs)
+        ids = torch.tensor([prompt])
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, len(prompt):].tolist()
+
+    app, loop, _ = build_server(folder, num_blocks=32, block_size=16)
+    with TestClient(app) as client:
+        def ours(**body):
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0, **body}).json()
+            return r["choices"][0]["token_ids"], r["choices"][0]["finish_reason"]
+
+        plain, reason = ours()
+        assert plain == hf_generate(eos_token_id=eos) and plain[-1] == eos and reason == "stop"
+        kept_on, reason = ours(ignore_eos=True)
+        assert kept_on == free and reason == "length"  # HF's argmax path, EOS treated as any id
+        late, _ = ours(min_tokens=6)
+        assert late == hf_generate(eos_token_id=eos, min_new_tokens=6) and len(late) > len(plain)
+        assert eos not in late[:6]
+        assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "min_tokens": 5}).status_code == 400
+
+
+def test_usage_is_null_in_every_chunk_but_the_last_or_running_when_asked(served):
+    client = served[0]
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+
+    def chunks(options):
+        with client.stream("POST", "/v1/completions", json={**body, "stream_options": options}) as r:
+            return sse_chunks(r.iter_lines())[:-1]
+
+    plain = chunks({"include_usage": True})
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 4
+    running = chunks({"continuous_usage_stats": True})
+    assert [c["usage"]["completion_tokens"] for c in running] == [1, 2, 3, 4]
