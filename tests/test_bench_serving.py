@@ -54,5 +54,6 @@ def test_bench_l8_runs_a_small_workload_and_writes_its_section(tmp_path, capsys)
     text = md.read_text()
     assert "| L8, sharing on | 44 |" in text  # 36, then 4 + 4: the two prefix blocks are computed once
     assert text.count("3/3") >= 9 and "allow_block_sharing True" in text and "page_size 16" in text
-    assert bench.main(["--requests", "0"]) == 2
-    assert "must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # refused at the door: one line, exit 2, before any work
+        bench.main(["--requests", "0"])
+    assert refused.value.code == 2 and "must be at least 1" in capsys.readouterr().err
