@@ -27,15 +27,15 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--num-blocks", type=int, default=512, help="KV pool size in blocks (default 512)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-waiting", type=int, default=64,
-                   help="requests without a first token before new ones get 429 (default 64)")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="requests without a first token before new ones get 429 (default: 4 per pool block, at least 64)")
     p.add_argument("--prefix-sharing", choices=["on", "off"], default="on")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     args = p.parse_args(argv)
     sane_streams()
     try:
-        if args.max_waiting < 1 or args.block_size < 1:
+        if (args.max_waiting is not None and args.max_waiting < 1) or args.block_size < 1:
             raise InputError("--max-waiting and --block-size must be at least 1")
         if not 0 <= args.port <= 65535:
             raise InputError(f"--port {args.port} is not a TCP port; give 1..65535 (or 0 for any free one)")

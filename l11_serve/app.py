@@ -23,7 +23,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -132,6 +132,8 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
         try:
             body = json.loads(await _body_within_limit(request) or b"null")
             params = parse(body, tokenizer, config.model_name)
+        except ClientDisconnect:  # gone before its body arrived: nothing was queued, nobody to answer
+            return Response(status_code=499)
         except BodyTooLarge:
             return error(413, f"the body is over the limit of {MAX_BODY_BYTES:,} bytes")
         except json.JSONDecodeError as exc:

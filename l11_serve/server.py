@@ -20,8 +20,9 @@ from .loop import EngineLoop
 
 
 def build_server(model_dir: str | Path, num_blocks: int = 512, block_size: int = 16, device: str = "cpu",
-                 dtype=None, max_waiting: int = 64, prefix_sharing: bool = True, **engine_kwargs):
-    """(app, loop, tokenizer) serving `model_dir`; InputError for a folder or pool that cannot work."""
+                 dtype=None, max_waiting: int | None = None, prefix_sharing: bool = True, **engine_kwargs):
+    """(app, loop, tokenizer) serving `model_dir`; InputError for a folder or pool that cannot work.
+    max_waiting None: `default_max_waiting(num_blocks)`."""
     import torch
 
     model_dir = Path(model_dir)
@@ -32,8 +33,18 @@ def build_server(model_dir: str | Path, num_blocks: int = 512, block_size: int =
                                backend=engine_backend(device, model.dtype), **engine_kwargs)
     tokenizer = load_tokenizer(model_dir)
     loop = EngineLoop(engine)
+    max_waiting = default_max_waiting(num_blocks) if max_waiting is None else max_waiting
     app = create_app(loop, tokenizer, ServerConfig(model_name=model_dir.name, max_waiting=max_waiting))
     return app, loop, tokenizer
+
+
+def default_max_waiting(num_blocks: int) -> int:
+    """How many requests may wait for a first token before the next gets 429: four per block of
+    the pool, at least 64. A waiting request holds no KV block, only its prompt ids and a few
+    objects (a few KB), so the bound is about what the pool can work through soon, not memory:
+    a load generator that opens 512 connections (guidellm's default sweep) is queued, not refused,
+    on the default 512-block pool."""
+    return max(64, 4 * num_blocks)
 
 
 class GracefulServer(uvicorn.Server):

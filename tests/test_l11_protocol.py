@@ -403,3 +403,32 @@ def test_usage_is_null_in_every_chunk_but_the_last_or_running_when_asked(served)
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 4
     running = chunks({"continuous_usage_stats": True})
     assert [c["usage"]["completion_tokens"] for c in running] == [1, 2, 3, 4]
+
+
+def test_a_client_gone_before_its_body_arrived_is_no_traceback(served, caplog):
+    """The ASGI receive reports a disconnect while the body is read: an abort of nothing, quietly."""
+    import asyncio
+
+    client, loop, _ = served
+    app = client.app
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "headers": [(b"content-type", b"application/json"), (b"content-length", b"50")],
+             "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": "",
+             "app": app}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 499 and "Traceback" not in caplog.text
+    assert complete(client, max_tokens=2).status_code == 200
+
+
+def test_the_default_queue_takes_a_load_generators_connections():
+    from l11_serve.server import default_max_waiting
+
+    assert default_max_waiting(512) >= 512 and default_max_waiting(4) == 64
