@@ -432,3 +432,26 @@ def test_the_default_queue_takes_a_load_generators_connections():
     from l11_serve.server import default_max_waiting
 
     assert default_max_waiting(512) >= 512 and default_max_waiting(4) == 64
+
+
+def test_parsing_and_tokenizing_run_off_the_event_loop(served, monkeypatch):
+    """So that a huge prompt never holds every other stream: the parse (tokenizer included) runs
+    on a worker thread, not on the event loop's thread that serves the streams."""
+    import l11_serve.app as app_module
+
+    client = served[0]
+    threads = {}
+    real_parse, real_body = app_module.parse_completion, app_module._body_within_limit
+
+    def recording_parse(body, tokenizer, name):
+        threads["parse"] = threading.current_thread()
+        return real_parse(body, tokenizer, name)
+
+    async def recording_body(request):
+        threads["loop"] = threading.current_thread()  # an async function: it runs on the loop
+        return await real_body(request)
+
+    monkeypatch.setattr(app_module, "parse_completion", recording_parse)
+    monkeypatch.setattr(app_module, "_body_within_limit", recording_body)
+    assert complete(client, max_tokens=2).status_code == 200
+    assert threads["parse"] is not threads["loop"]
