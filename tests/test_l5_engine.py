@@ -344,6 +344,25 @@ def test_a_request_with_nobody_left_to_evict_preempts_itself():
     assert x.state is State.WAITING and x.blocks == [] and sched.alloc.num_free == 2
 
 
+@pytest.mark.points(2)
+def test_a_prefill_chunk_needing_two_blocks_preempts_as_many_victims_as_it_takes():
+    """P prefills a chunk of 8 tokens (2 more blocks of 4); the pool is full and each of the two
+    victims holds one block: room is made victim after victim until the chunk fits (an `if` where
+    the `while` belongs frees one block and then runs out)."""
+    p = EngineRequest(list(range(20)), 4, request_id=0, last_scheduled_step=9)
+    p.cur_len, p.state = 4, State.RUNNING
+    victims = [decoding_request(1, 3, 1, last_scheduled_step=5), decoding_request(2, 3, 1, last_scheduled_step=4)]
+    alloc = BlockAllocator(3, BLOCK_SIZE)
+    for r in [p, *victims]:
+        reserve(r, alloc, r.cur_len)
+    pool = BlockKvPool(TINY_CFG, 3, BLOCK_SIZE, torch.float32)
+    sched = Scheduler(alloc, lru_key, Preemptor(pool, alloc, "recompute"), prefill_chunk=8, watermark_blocks=1)
+    sched.running = [p, *victims]
+    plan = sched.schedule(now=10)
+    assert plan == [(p, 8)] and sorted(sched.preemptor.take_events()) == [1, 2]
+    assert len(p.blocks) == 3 and alloc.num_free == 0 and all(v.state is State.WAITING for v in victims)
+
+
 # ---------------------------------------------------------------- admission: watermark, too large
 
 
