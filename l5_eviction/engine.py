@@ -278,17 +278,17 @@ class Engine:
         return any(r.state is not State.FINISHED for r in self.requests.values())
 
     def run(self, workload: list[WorkItem] = (), max_steps: int = 100_000) -> dict[int, EngineRequest]:
-        """Add `workload`, then step until every request is finished. `max_steps` counts steps
-        taken (idle stretches before a late arrival are skipped, not counted)."""
+        """Add `workload`, then step until every request is finished: by step number `max_steps`
+        (an arrival past it is reported at once), and with some token computed at least every
+        STALL_STEPS steps (EngineStalledError otherwise)."""
         for item in workload:
             self.add_request(item)
-        taken = idle = 0
+        idle = 0
         while self.has_unfinished():
             self._skip_idle_steps()
-            if taken >= max_steps:
+            if self.now >= max_steps:
                 raise RuntimeError(f"workload not finished after {max_steps} steps")
             record = self.step()
-            taken += 1
             idle = idle + 1 if record.prefill_tokens + record.decode_tokens == 0 else 0
             if idle >= STALL_STEPS:
                 raise EngineStalledError(self._stall_report())

@@ -244,14 +244,6 @@ def test_l2_generate_refuses_a_request_listed_twice(tiny_model_dir):
     assert req.output_ids == hf_alone(tiny_model_dir, GOOD) and alloc.num_free == 16
 
 
-def test_a_late_arrival_within_the_bound_is_not_counted_as_steps(model, tiny_model_dir):
-    """Idle steps before an arrival are skipped: an arrival at step 10**9 finishes in a few steps."""
-    engine = make_engine(model, 64, 4)
-    engine.add_request(WorkItem(list(GOOD.prompt_ids), GOOD.max_new_tokens, arrival_step=10**9))
-    engine.run(max_steps=200)
-    assert engine.requests[0].output_ids == hf_alone(tiny_model_dir, GOOD)
-
-
 def test_a_pool_larger_than_the_machines_memory_is_refused_before_allocating(model):
     """torch.empty would hand out address space and the run would die later (l8_smoke --n 1000000)."""
     from l5_eviction.engine import available_host_memory
