@@ -59,11 +59,20 @@ def load_script(name: str):
     import sys
     from pathlib import Path
 
+    import signal
+
     path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
+    # A script guards its own start-up (harness.cli.guard_startup: Ctrl-C exits at once); imported
+    # into the test process, it must not leave that behind for the tests after it.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return module
 
 
