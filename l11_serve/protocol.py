@@ -48,18 +48,26 @@ class CompletionParams:
                          repetition_penalty=self.repetition_penalty)
 
 
-def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
-    if not isinstance(body, dict):
-        raise InputError("the request body must be a JSON object like {\"prompt\": \"...\", \"max_tokens\": 16}")
-    known = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stop_token_ids",
-             "stream", "stream_options", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", *NEUTRAL}
+SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options",
+                 "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+
+
+def _check_fields(body: dict, own: set[str], neutral_values: dict) -> None:
+    """Unknown fields are an error (a typo would be ignored silently); fields this server does not
+    implement are accepted at their neutral value only."""
+    known = SHARED_FIELDS | own | set(neutral_values)
     unknown = sorted(set(body) - known)
     if unknown:
         raise InputError(f"unknown field {unknown[0]!r}; this server reads {', '.join(sorted(known))}")
-    for name, neutral in NEUTRAL.items():
+    for name, neutral in neutral_values.items():
         if neutral is not None and body.get(name, neutral[0]) not in neutral:
-            raise InputError(f"{name}={body[name]!r} is not supported by this server; leave it out")
+            raise InputError(f"{name}={short_repr(body[name])} is not supported by this server; leave it out")
+
+
+def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
+    if not isinstance(body, dict):
+        raise InputError("the request body must be a JSON object like {\"prompt\": \"...\", \"max_tokens\": 16}")
+    _check_fields(body, {"prompt", "stop_token_ids"}, NEUTRAL)
     if body.get("model", model_name) not in (model_name, None):
         raise InputError(f"model {body['model']!r} is not served here; GET /v1/models lists {model_name!r}")
     if body.get("stop") and tokenizer is None:
@@ -105,15 +113,7 @@ def parse_chat(body, tokenizer, model_name: str) -> CompletionParams:
                          "\"content\": \"...\"}]}")
     if tokenizer is None:
         raise InputError("chat needs a tokenizer and this model folder has none; use /v1/completions with ids")
-    known = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop",
-             "stream", "stream_options", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", *CHAT_NEUTRAL}
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise InputError(f"unknown field {unknown[0]!r}; this server reads {', '.join(sorted(known))}")
-    for name, neutral in CHAT_NEUTRAL.items():
-        if neutral is not None and body.get(name, neutral[0]) not in neutral:
-            raise InputError(f"{name}={short_repr(body[name])} is not supported by this server; leave it out")
+    _check_fields(body, {"messages", "max_completion_tokens"}, CHAT_NEUTRAL)
     prompt_ids = chat_prompt_ids(messages(body.get("messages")), tokenizer)
     rest = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", *CHAT_NEUTRAL)}
     if body.get("max_completion_tokens") is not None:
