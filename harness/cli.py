@@ -22,6 +22,19 @@ def _exit_interrupted(signum, frame) -> None:
     os._exit(2)
 
 
+def exit_interrupted(message: str) -> None:
+    """One line, then exit 2 at once. Not `return 2`: if the KeyboardInterrupt passed through code
+    that `exec` ran from a string (dataclasses and namedtuples build their methods that way, often
+    during a lazy import), CPython remembers it and, at exit, kills itself with SIGINT (status -2)
+    even though the exception was caught."""
+    try:
+        sys.stdout.flush()  # os._exit skips the interpreter's own flush
+    except (OSError, ValueError):
+        pass
+    say_error(message)
+    os._exit(2)
+
+
 def guard_startup() -> None:
     """From here until `run_main` starts the work, Ctrl-C (or SIGTERM) ends the process at once
     with one line and exit 2: for scripts whose heavy imports follow at module level."""
@@ -85,9 +98,7 @@ def run_main(main: Callable[[], int | None], what: str = "nothing was written") 
         sys.stdout.flush()
         return status or 0
     except KeyboardInterrupt:
-        _quiet_stdout()
-        say_error(f"interrupted (Ctrl-C); {what}")
-        return 2
+        exit_interrupted(f"interrupted (Ctrl-C); {what}")
     except BrokenPipeError:
         _quiet_stdout()
         return 0

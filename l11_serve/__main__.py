@@ -9,7 +9,7 @@ import socket
 import sys
 import traceback
 
-from harness.cli import sane_streams, say_error, starting
+from harness.cli import exit_interrupted, sane_streams, say_error, starting
 
 with starting():  # Ctrl-C while torch and the model's code load: one line, exit 2
     import uvicorn
@@ -47,8 +47,7 @@ def main(argv=None) -> int:
         say_error(str(exc))
         return 2
     except KeyboardInterrupt:
-        say_error("interrupted (Ctrl-C) while building the server; nothing was served")
-        return 2
+        exit_interrupted("interrupted (Ctrl-C) while building the server; nothing was served")
     except Exception:
         traceback.print_exc()
         print("internal error while building the server (a bug, not your input)", file=sys.stderr)

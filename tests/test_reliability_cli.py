@@ -252,6 +252,20 @@ def test_ctrl_c_while_importing_is_one_line_and_exit_2():
     assert done.stderr.strip().splitlines() == ["error: interrupted (Ctrl-C) while starting; nothing was run"]
 
 
+def test_ctrl_c_through_exec_built_code_still_exits_2(tmp_path):
+    """CPython marks a KeyboardInterrupt that leaves code run by `exec` from a string (how dataclasses
+    build their methods, during a lazy import) and, at exit, kills itself with SIGINT (-2) even though
+    the exception was caught: run_main must exit 2 anyway. Run as `python -m`, as the server is."""
+    (tmp_path / "interrupted_mod.py").write_text(
+        "import os, signal, sys\nsys.path.insert(0, %r)\nfrom harness.cli import run_main\n"
+        "def main():\n    exec('import os, signal\\nos.kill(os.getpid(), signal.SIGINT)\\nx = 1\\n')\n"
+        "sys.exit(run_main(main))\n" % str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "interrupted_mod"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert done.returncode == 2, (done.returncode, done.stderr[-500:])
+    assert done.stderr.strip().splitlines() == ["error: interrupted (Ctrl-C); nothing was written"]
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_smoke_script_imports_torch_and_the_lessons_under_the_guard(script):
     tree = ast.parse((ROOT / "scripts" / f"{script}.py").read_text())
