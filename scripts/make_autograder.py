@@ -54,6 +54,7 @@ def build(zip_path: Path, hidden_tests: Path, lessons: list[str], hidden_dir: Pa
         (copy / "hidden_tests.txt").write_text(listed + "".join(f"\ntests/{p.name}" for p in hidden_files) + "\n")
         shutil.copy(TEMPLATES / "grade.py", copy / "grade.py")
         manifest = collect_manifest(copy, lessons)
+        manifest["hidden_files"] = [f"tests/{p.name}" for p in hidden_files]  # run apart, never beside visible tests
         (copy / "grading_manifest.json").write_text(json.dumps(manifest, indent=1))
         files = sorted(p for p in copy.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
         partial = Path(tmp) / "bundle.zip"  # moved over zip_path only when whole
@@ -76,7 +77,7 @@ def build(zip_path: Path, hidden_tests: Path, lessons: list[str], hidden_dir: Pa
 def collect_manifest(copy: Path, lessons: list[str]) -> dict:
     """The graded tests of `lessons` as collected in the bundle's own copy (stubs, no student
     code): {"lessons", "packages" (every lesson's, earlier lessons are imported by later ones),
-    "tests": {nodeid: {points, lesson, hidden, slow}}}."""
+    "tests": {nodeid: {points, lesson, hidden, slow, notebook}}}."""
     sys.path.insert(0, str(copy))
     from harness.grading import LESSON_PACKAGES  # the copy's own list of lessons
     sys.path.pop(0)

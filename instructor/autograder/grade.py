@@ -5,43 +5,77 @@ results.json:
 
 1. The lesson packages are found in the upload (a few folders down, the shallowest match, never
    under `__MACOSX/` or a hidden folder, only folders with an `__init__.py`) and replace the stubs
-   in a scratch copy of the bundle. Which were graded, and which were not found, goes into
-   results.json's top-level `output`, which the student sees.
-2. A few canary tests with random names, which must fail, are planted among the bundle's tests.
-3. A worker runs pytest on the scratch copy as an unprivileged user (when this runs as root, as on
-   Gradescope), so it cannot write results.json or the bundle. Each test has a time limit
-   (pytest-timeout) and the whole run one more, below Gradescope's; the worker's outcomes are
-   streamed test by test (the grading plugin's `--outcomes-log`), so what finished still counts.
-4. Points come from the manifest collected from the bundle's own copy when it was built, never
-   from the worker. A canary reported as passed means the reports were forged: the submission
-   gets 0 and is flagged for the instructor. Imports that only a cheat needs are flagged too.
+   in a scratch copy of the bundle. Only regular files up to MAX_UPLOAD_FILE bytes are copied:
+   symlinks, devices, pipes and bigger files are skipped, never followed, and named. Which
+   packages were graded, which were not found and which files were skipped goes into results.json's
+   top-level `output`, which the student sees.
+2. The tests run in parts, each its own worker: the visible tests, the notebooks, and the hidden
+   test files (instructor/hidden_tests/), which are in the scratch copy only during their own part,
+   so no visible output can carry their source. Each part has two planted canary tests with random
+   names, which must fail, and its share of the whole run's time limit; a part that is cut off
+   costs only its own unfinished tests.
+3. A worker runs pytest as an unprivileged user (always, when this runs as root, as on Gradescope:
+   if that is impossible nothing is run and the instructor is told), in its own session, with
+   limits on memory, processes, file size and core dumps. The scratch copy (tests, harness) is
+   the grader's and read-only to the worker, which writes only in its own home folder. When the
+   part ends, every process of that user is killed, wherever it moved.
+4. Outcomes come test by test through a pipe (the grading plugin's `--outcomes-log`); the first
+   report of each test phase counts, so nothing written later can change it. Points come from the
+   manifest collected from the bundle's own copy when it was built, never from the worker. A canary
+   reported as passed means the reports were forged: the submission gets 0 and is flagged.
+5. Each test's time limit is AUTOGRADER_TEST_TIMEOUT times the machine's measured slowdown (a fixed
+   workload timed before grading, against its time on an idle machine), so a loaded machine does
+   not fail tests that an idle one passes.
+6. Flags for the instructor (results.json's `extra_data`, and the log): in submitted files that
+   differ from the handout, uses of what only code working against the grader needs, counted in
+   the code with comments and strings removed, beyond what the handout's file already has.
+
+What this does not stop (the judge is still the worker's pytest): code that runs in the worker
+can forge that worker's reports of anything but the canaries, patch comparisons, or read a test's
+source; the flags and a look at flagged submissions are the defence there.
 
 Settings (environment): AUTOGRADER_ROOT (/autograder), AUTOGRADER_SOURCE ($ROOT/source),
 AUTOGRADER_SUBMISSION ($ROOT/submission), AUTOGRADER_RESULTS ($ROOT/results/results.json),
-AUTOGRADER_PYTHON (the python that runs pytest), AUTOGRADER_TIME_LIMIT (seconds for the whole
-run, default 1500), AUTOGRADER_TEST_TIMEOUT (seconds per test, default 180), AUTOGRADER_SELECT
+AUTOGRADER_PYTHON (the python that runs pytest), AUTOGRADER_TIME_LIMIT (seconds for all parts
+together, default 3000), AUTOGRADER_TEST_TIMEOUT (seconds per test on an idle machine, default
+180), AUTOGRADER_MEMORY_MB (address space per worker process, default 8192), AUTOGRADER_SELECT
 (node-id prefixes: grade only those tests, to try the bundle on a part), AUTOGRADER_PYTEST_ARGS,
-AUTOGRADER_WORKER_USER (default autograder-student; empty: the worker runs as the current user).
+AUTOGRADER_WORKER_USER (default autograder-student; when not run as root the worker runs as the
+current user, without that separation, which is only for trying the bundle locally).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 import re
+import resource
 import shlex
 import shutil
+import signal
+import stat
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
+import time
+import tokenize
 from pathlib import Path
 
-WORKER_USER = os.environ.get("AUTOGRADER_WORKER_USER", "autograder-student")  # "": the current user
+WORKER_USER = os.environ.get("AUTOGRADER_WORKER_USER", "autograder-student")
 LOG_CAP = 20_000  # characters of the worker's output kept at each end
 OUTPUT_CAP = 4_000  # characters of one test's output in results.json, at both ends together
+MAX_OUTCOME_LINES = 100_000  # a worker that floods the pipe is cut off here
 SEARCH_DEPTH = 4  # folders below the upload's root searched for a lesson package
+MAX_UPLOAD_FILE = 1 << 20  # bytes: a lesson package holds source files, far smaller than this
+MAX_PROCESSES = 512  # the worker user's processes and threads together (torch starts one per core)
+MAX_FILE_BYTES = 1 << 30  # the largest file a worker process may write
+# The calibration workload and its median time on an idle 2-core machine of the course's kind.
+CALIBRATION_REFERENCE_S = 0.11
+MAX_SLOWDOWN = 8.0
 # Only code that works against the grader needs these in a lesson package.
 SUSPICIOUS = {
     "transformers": r"\b(import|from)\s+transformers\b",
@@ -50,7 +84,15 @@ SUSPICIOUS = {
     "atexit": r"\batexit\b",
     "inspect": r"\binspect\b",
     "frame access": r"_getframe|\bf_back\b|\bf_locals\b|\bf_globals\b|\bsettrace\b|\bsetprofile\b|get_referrers",
+    "dynamic imports": r"\b__import__\b|\bimportlib\b|\bsys\s*\.\s*modules\b",
+    "exec or eval": r"\bexec\b|\beval\b|\bcompile\s*\(",
+    "new processes": r"\bsubprocess\b|\bfork\b|\bsetsid\b|\bsystem\s*\(|\bmultiprocessing\b|\bPopen\b",
+    "builtins": r"\bbuiltins\b|__builtins__",
 }
+
+
+class Refused(Exception):
+    """The student's code cannot be run safely here: nothing is graded, the instructor is told."""
 
 
 def cap(text: str, limit: int = OUTPUT_CAP) -> str:
@@ -74,15 +116,59 @@ def find_packages(submission: Path, packages: list[str]) -> tuple[dict[str, Path
     return found, [name for name in packages if name not in found]
 
 
-def flags_of(found: dict[str, Path]) -> list[str]:
-    """`file: what it uses` for each submitted file that uses something only a cheat needs."""
+def copy_package(folder: Path, dest: Path) -> list[str]:
+    """Copy the regular files of an uploaded package, each at most MAX_UPLOAD_FILE bytes; return
+    what was skipped (symlinks, devices, pipes, bigger files), which is never opened or followed."""
+    skipped = []
+    for here, subfolders, files in os.walk(folder):  # os.walk never follows a symlinked folder
+        rel = Path(here).relative_to(folder)
+        (dest / rel).mkdir(parents=True, exist_ok=True)
+        for name in subfolders:
+            if Path(here, name).is_symlink():
+                skipped.append(f"{folder.name}/{rel / name} (a symlink)")
+        subfolders[:] = [d for d in subfolders if d != "__pycache__" and not Path(here, d).is_symlink()]
+        for name in files:
+            source = Path(here, name)
+            info = source.lstat()
+            if not stat.S_ISREG(info.st_mode):
+                skipped.append(f"{folder.name}/{rel / name} (not a regular file)")
+            elif info.st_size > MAX_UPLOAD_FILE:
+                skipped.append(f"{folder.name}/{rel / name} ({info.st_size} bytes; at most {MAX_UPLOAD_FILE})")
+            else:
+                with open(source, "rb") as src, open(dest / rel / name, "wb") as out:
+                    shutil.copyfileobj(src, out)
+    return skipped
+
+
+def code_of(text: str) -> str:
+    """Python source without comments and string literals (what flags are matched against)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        return text
+    kept = [t.string for t in tokens if t.type not in (tokenize.COMMENT, tokenize.STRING)
+            and t.type != getattr(tokenize, "FSTRING_MIDDLE", -1)]
+    return " ".join(kept)
+
+
+def flags_of(found: dict[str, Path], handout: Path) -> list[str]:
+    """`file: what it uses` for each submitted file that differs from the handout's and uses, more
+    often than the handout's own file, something only code working against the grader needs."""
     flags = []
     for package, folder in found.items():
-        for path in sorted(folder.rglob("*.py")):
-            text = path.read_text(encoding="utf-8", errors="replace")
-            used = [what for what, pattern in SUSPICIOUS.items() if re.search(pattern, text)]
+        for path in sorted(p for p in folder.rglob("*.py") if p.is_file() and not p.is_symlink()):
+            if path.stat().st_size > MAX_UPLOAD_FILE:
+                continue
+            rel = path.relative_to(folder)
+            code = code_of(path.read_text(encoding="utf-8", errors="replace"))
+            original = handout / package / rel
+            before = code_of(original.read_text(encoding="utf-8")) if original.is_file() else ""
+            if code == before:
+                continue
+            used = [what for what, pattern in SUSPICIOUS.items()
+                    if len(re.findall(pattern, code)) > len(re.findall(pattern, before))]
             if used:
-                flags.append(f"{package}/{path.relative_to(folder)}: {', '.join(used)}")
+                flags.append(f"{package}/{rel}: {', '.join(used)}")
     return flags
 
 
@@ -101,26 +187,39 @@ def plant_canaries(tests_dir: Path, lesson: str) -> list[str]:
     return nodeids
 
 
-def worker_user() -> tuple[int, int] | None:
+def worker_user(python: str) -> tuple[int, int] | None:
     """(uid, gid) of the unprivileged user the worker runs as, created if needed; None when this
-    process is not root (a local try: the worker then runs as the current user)."""
-    if os.geteuid() != 0 or not WORKER_USER:
+    process is not root (a local try: the worker runs as the current user). As root, Refused when
+    no such user can run the tests: the student's code never runs as root."""
+    if os.geteuid() != 0:
         return None
+    if not WORKER_USER or WORKER_USER == "root":
+        raise Refused("AUTOGRADER_WORKER_USER names no unprivileged user; as root the grader runs students' code "
+                      "only as one (leave it unset for autograder-student)")
     import pwd
 
     try:
         entry = pwd.getpwnam(WORKER_USER)
     except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", WORKER_USER], check=True)
+        made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", WORKER_USER],
+                              capture_output=True, text=True)
+        if made.returncode != 0:
+            raise Refused(f"cannot create the user {WORKER_USER}: {made.stderr.strip()}") from None
         entry = pwd.getpwnam(WORKER_USER)
-    return entry.pw_uid, entry.pw_gid
+    if entry.pw_uid == 0:
+        raise Refused(f"{WORKER_USER} has uid 0; the worker needs an unprivileged user")
+    user = entry.pw_uid, entry.pw_gid
+    if not can_run_as(user, python):
+        raise Refused(f"{WORKER_USER} cannot run `{python} -c 'import pytest, torch'`; make the environment "
+                      "readable by other users (setup.sh's /autograder/venv is)")
+    return user
 
 
 def can_run_as(user: tuple[int, int], python: str) -> bool:
     try:
         probe = subprocess.run([python, "-c", "import pytest, torch"], user=user[0], group=user[1],
                                extra_groups=[], capture_output=True, cwd="/", timeout=300)
-    except OSError:  # e.g. the python lies under a folder only root may enter
+    except (OSError, subprocess.TimeoutExpired):  # e.g. the python lies under a folder only root may enter
         return False
     return probe.returncode == 0
 
@@ -147,45 +246,110 @@ class CappedLog:
         return self.head + middle + self.tail
 
 
-def run_worker(cmd: list[str], cwd: Path, env: dict, user, time_limit: float) -> tuple[str, int | None]:
-    """Run pytest; return its (capped) output and exit status, None when stopped by the time limit."""
+class OutcomeLines:
+    """The worker's outcome reports, one JSON line each, read from a pipe as they come."""
+
+    def __init__(self, fd: int):
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(fd,), daemon=True)
+        self.thread.start()
+
+    def _read(self, fd: int):
+        with open(fd, encoding="utf-8", errors="replace") as stream:
+            for line in iter(lambda: stream.readline(4 * OUTPUT_CAP), ""):
+                if len(self.lines) < MAX_OUTCOME_LINES:
+                    self.lines.append(line)
+
+    def read(self) -> list[str]:
+        self.thread.join(timeout=10)
+        return list(self.lines)
+
+
+def limit_worker(memory_mb: int, own_user: bool):
+    """The limits a worker process starts under (inherited by everything it starts)."""
+
+    def apply():
+        memory = memory_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (MAX_FILE_BYTES, MAX_FILE_BYTES))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if own_user:  # counts every process of the user: only meaningful for the worker's own user
+            resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
+
+    return apply
+
+
+def kill_everything_of(uid: int) -> None:
+    """SIGKILL every process of `uid`, again until none is left (a fork bomb is bounded by
+    RLIMIT_NPROC, so this ends)."""
+    for _ in range(200):
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    if os.stat(f"/proc/{entry}").st_uid == uid:
+                        pids.append(int(entry))
+                except OSError:
+                    continue
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+
+
+def run_worker(cmd: list[str], cwd: Path, env: dict, user, time_limit: float, memory_mb: int):
+    """Run pytest; return (its capped output, its outcome lines, its exit status or None when
+    stopped by the time limit). Whatever it started is killed when it ends."""
+    read_end, write_end = os.pipe()
+    cmd = [*cmd, "--outcomes-log", f"/dev/fd/{write_end}"]
     ids = dict(user=user[0], group=user[1], extra_groups=[]) if user else {}
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True, **ids)
-    log = CappedLog(proc.stdout)
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
+                                pass_fds=(write_end,), preexec_fn=limit_worker(memory_mb, user is not None), **ids)
+    finally:
+        os.close(write_end)
+    log, outcomes = CappedLog(proc.stdout), OutcomeLines(read_end)
     try:
         status = proc.wait(timeout=time_limit)
     except subprocess.TimeoutExpired:
         status = None
-    try:  # the worker's whole process group, whether it finished or not
-        os.killpg(proc.pid, 9)
+    try:  # the worker's whole session, whether it finished or not
+        os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    if user is not None:  # and whatever left the session (setsid, double fork)
+        kill_everything_of(user[0])
     proc.wait()
-    return log.text(), status
+    return log.text(), outcomes.read(), status
 
 
-def read_outcomes(path: Path) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
-    """({nodeid: {phase: outcome}} with "output" for the first failure, {file: collection error})."""
+def read_outcomes(lines: list[str]) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """({nodeid: {phase: outcome}} with "output" for the first failure, {file: collection error}).
+    The first report of a test phase counts; a later one for the same phase is ignored."""
     outcomes: dict[str, dict[str, str]] = {}
     errors: dict[str, str] = {}
-    if not path.is_file():
-        return outcomes, errors
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in iter(lambda: f.readline(4 * OUTPUT_CAP), ""):
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue  # a line cut at the cap, or not ours
-            if not isinstance(entry, dict):
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut at the cap, or not ours
+        if not isinstance(entry, dict):
+            continue
+        if "collect_error" in entry:
+            errors.setdefault(str(entry["collect_error"]), cap(str(entry.get("output", ""))))
+        elif "nodeid" in entry:
+            phases = outcomes.setdefault(str(entry["nodeid"]), {})
+            when = str(entry.get("when"))
+            if when in phases:
                 continue
-            if "collect_error" in entry:
-                errors[str(entry["collect_error"])] = cap(str(entry.get("output", "")))
-            elif "nodeid" in entry:
-                phases = outcomes.setdefault(str(entry["nodeid"]), {})
-                phases[str(entry.get("when"))] = str(entry.get("outcome"))
-                if entry.get("outcome") == "failed" and "output" not in phases:
-                    phases["output"] = cap(str(entry.get("output", "")))
+            phases[when] = str(entry.get("outcome"))
+            if entry.get("outcome") == "failed" and "output" not in phases:
+                phases["output"] = cap(str(entry.get("output", "")))
     return outcomes, errors
 
 
@@ -197,26 +361,60 @@ def status_of(phases: dict[str, str]) -> str:
     return "passed" if phases.get("call") == "passed" else "missing"
 
 
-def why_not_run(nodeid: str, errors: dict[str, str], status: int | None, time_limit: float, log: str) -> str:
-    module = nodeid.split("::")[0]
-    if module in errors:
-        return f"{module} could not be collected (so none of its tests ran):\n{errors[module]}"
-    if status is None:
-        return f"Not run: the grading time limit ({time_limit:g} s) was reached before this test."
-    return f"Not run: the test run stopped early (pytest exit status {status}). Its output ends:\n{cap(log, 2000)}"
+class Part:
+    """One worker run: some test files, their canaries, and what came back."""
+
+    def __init__(self, name: str, files: list[str]):
+        self.name, self.files = name, files
+        self.canaries: list[str] = []
+        self.log, self.status, self.seconds, self.time_limit = "", None, 0.0, 0.0
+        self.outcomes: dict[str, dict[str, str]] = {}
+        self.errors: dict[str, str] = {}
+
+    def forged(self) -> list[str]:
+        """Canaries reported as anything but failed, when this part's report says a test passed."""
+        anything_passed = any(status_of(p) == "passed" for n, p in self.outcomes.items() if n not in self.canaries)
+        return [c for c in self.canaries if status_of(self.outcomes.get(c, {})) == "passed"
+                or (anything_passed and self.status is not None and status_of(self.outcomes.get(c, {})) != "failed")]
+
+    def why_not_run(self, nodeid: str) -> str:
+        module = nodeid.split("::")[0]
+        if module in self.errors:
+            return f"{module} could not be collected (so none of its tests ran):\n{self.errors[module]}"
+        if self.status is None:
+            return (f"Not run: the time limit of the {self.name} part ({self.time_limit:.0f} s) was reached "
+                    "before this test.")
+        return (f"Not run: the test run stopped early (pytest exit status {self.status}). Its output ends:\n"
+                f"{cap(self.log, 2000)}")
 
 
-def grade(manifest: dict, select: list[str], outcomes, errors, status, time_limit, log) -> list[dict]:
+def split_parts(manifest: dict, select: list[str]) -> list[Part]:
+    """Visible tests, notebooks, hidden test files: the files of each, in the order they run."""
+    tests = {n: t for n, t in manifest["tests"].items() if not select or n.startswith(tuple(select))}
+    files: dict[str, list[dict]] = {}
+    for nodeid, test in tests.items():
+        files.setdefault(nodeid.split("::")[0], []).append(test)
+    hidden_files = set(manifest.get("hidden_files", []))
+    parts = {"tests": Part("tests", []), "notebooks": Part("notebooks", []), "hidden tests": Part("hidden tests", [])}
+    for file, its_tests in sorted(files.items()):
+        name = ("hidden tests" if file in hidden_files
+                else "notebooks" if all(t.get("notebook") for t in its_tests) else "tests")
+        parts[name].files.append(file)
+    return [part for part in parts.values() if part.files]
+
+
+def grade(manifest: dict, select: list[str], parts: list[Part]) -> list[dict]:
+    where = {file: part for part in parts for file in part.files}
     rows = []
     for nodeid, test in manifest["tests"].items():
-        if select and not nodeid.startswith(tuple(select)):
+        part = where.get(nodeid.split("::")[0])
+        if part is None or (select and not nodeid.startswith(tuple(select))):
             continue
-        phases = outcomes.get(nodeid, {})
+        phases = part.outcomes.get(nodeid, {})
         result = status_of(phases)
         if result == "skipped":
             continue  # e.g. a gpu test on a machine without one: earns and costs nothing
-        output = phases.get("output", "") if result != "missing" else why_not_run(
-            nodeid, errors, status, time_limit, log)
+        output = phases.get("output", "") if result != "missing" else part.why_not_run(nodeid)
         rows.append({"name": nodeid, "score": test["points"] if result == "passed" else 0.0,
                      "max_score": test["points"], "status": "passed" if result == "passed" else "failed",
                      "output": output, "visibility": "after_published" if test["hidden"] else "visible",
@@ -225,12 +423,73 @@ def grade(manifest: dict, select: list[str], outcomes, errors, status, time_limi
 
 
 def lesson_totals(rows: list[dict]) -> str:
+    """Points per lesson over the visible tests (what the student may see now)."""
     totals: dict[str, list[float]] = {}
     for row in rows:
+        if row["visibility"] != "visible":
+            continue
         total = totals.setdefault(row["tags"][0], [0.0, 0.0])
         total[0] += row["score"]
         total[1] += row["max_score"]
-    return "\n".join(f"{lesson}: {got:g} / {out_of:g}" for lesson, (got, out_of) in totals.items())
+    lines = [f"{lesson}: {got:g} / {out_of:g}" for lesson, (got, out_of) in totals.items()]
+    hidden = [row for row in rows if row["visibility"] != "visible"]
+    if hidden:
+        lines.append(f"and {len(hidden)} hidden tests ({sum(r['max_score'] for r in hidden):g} points), "
+                     "shown when grades are published")
+    return "\n".join(lines)
+
+
+def calibrate() -> float:
+    """How much slower than an idle reference machine this one runs now: the median of five timings
+    of a fixed pure-Python workload over its idle time, between 1 and MAX_SLOWDOWN."""
+    timings = []
+    for _ in range(5):
+        start = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i * i % 7
+        timings.append(time.perf_counter() - start)
+    return min(MAX_SLOWDOWN, max(1.0, statistics.median(timings) / CALIBRATION_REFERENCE_S))
+
+
+def make_read_only(tree: Path) -> None:
+    """The scratch copy belongs to the grader: readable by the worker, not writable by it."""
+    for here, _, files in os.walk(tree):
+        os.chmod(here, 0o755)
+        for name in files:
+            os.chmod(Path(here, name), 0o644)
+
+
+def worker_home(work: Path, part: Part, user) -> Path:
+    """A fresh folder the worker may write in (HOME, TMPDIR, pytest's temporary folders)."""
+    home = work / f"home-{part.name.replace(' ', '-')}"
+    home.mkdir(mode=0o700)
+    if user is not None:
+        os.chown(home, *user)
+    return home
+
+
+def run_part(part: Part, copy: Path, work: Path, manifest: dict, python: str, user, time_limit: float,
+             test_timeout: float, memory_mb: int) -> None:
+    part.canaries = plant_canaries(copy / "tests", manifest["lessons"][0])
+    for canary in part.canaries:
+        os.chmod(copy / canary.split("::")[0], 0o644)
+    home = worker_home(work, part, user)
+    cmd = [python, "-m", "pytest", "--graded-only", "--continue-on-collection-errors", "--color=no", "-q",
+           "-p", "no:cacheprovider", "--hypothesis-profile=grading", f"--timeout={test_timeout:.0f}",
+           f"--basetemp={home / 'pytest'}", "-m", " or ".join(manifest["lessons"]),
+           part.canaries[0].split("::")[0], *part.files, part.canaries[1].split("::")[0],
+           *shlex.split(os.environ.get("AUTOGRADER_PYTEST_ARGS", ""))]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGRADER_")}
+    env.update(HOME=str(home), TMPDIR=str(home), PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1",
+               PYTHONNOUSERSITE="1", XDG_CACHE_HOME=str(home / ".cache"), JUPYTER_RUNTIME_DIR=str(home / "jupyter"))
+    start = time.monotonic()
+    part.time_limit = time_limit
+    part.log, lines, part.status = run_worker(cmd, copy, env, user, time_limit, memory_mb)
+    part.seconds = time.monotonic() - start
+    part.outcomes, part.errors = read_outcomes(lines)
+    for canary in part.canaries:
+        (copy / canary.split("::")[0]).unlink(missing_ok=True)
 
 
 def main() -> int:
@@ -239,65 +498,65 @@ def main() -> int:
     submission = Path(os.environ.get("AUTOGRADER_SUBMISSION", root / "submission"))
     results = Path(os.environ.get("AUTOGRADER_RESULTS", root / "results" / "results.json"))
     python = os.environ.get("AUTOGRADER_PYTHON", str(root / "venv" / "bin" / "python"))
-    time_limit = float(os.environ.get("AUTOGRADER_TIME_LIMIT", 1500))
-    test_timeout = float(os.environ.get("AUTOGRADER_TEST_TIMEOUT", 180))
+    time_limit = float(os.environ.get("AUTOGRADER_TIME_LIMIT", 3000))
+    base_timeout = float(os.environ.get("AUTOGRADER_TEST_TIMEOUT", 180))
+    memory_mb = int(os.environ.get("AUTOGRADER_MEMORY_MB", 8192))
     select = os.environ.get("AUTOGRADER_SELECT", "").split()
     manifest = json.loads((source / "grading_manifest.json").read_text())
+    try:
+        user = worker_user(python)
+    except Refused as exc:
+        print(f"FLAG for the instructor: nothing was graded: {exc}")
+        write_results(results, [], "The grader could not run your code safely (a set-up problem, not your code); "
+                      "your instructor has been told.", {"refused": str(exc)})
+        return 0
+    slowdown = calibrate()
+    test_timeout = base_timeout * slowdown
 
     work = Path(tempfile.mkdtemp(prefix="autograder-"))
-    copy = work / "source"
+    copy, hidden_store = work / "source", work / "hidden"
+    hidden_files = set(manifest.get("hidden_files", []))
     # What the tests do not need stays out of the worker's reach: which tests are hidden, the points.
-    shutil.copytree(source, copy, ignore=shutil.ignore_patterns(
+    shutil.copytree(source, copy, symlinks=True, ignore=shutil.ignore_patterns(
         "grading_manifest.json", "hidden_tests.txt", "grade.py", "setup.sh", "run_autograder", "__pycache__"))
+    hidden_store.mkdir(mode=0o700)
+    for file in hidden_files:  # back in the copy only while the hidden part runs
+        if (copy / file).exists():
+            shutil.move(copy / file, hidden_store / Path(file).name)
     found, missing = find_packages(submission, manifest["packages"])
+    skipped = []
     for package, folder in found.items():
         shutil.rmtree(copy / package)
-        # symlinks=True: a link is copied as a link, never followed by root to a file it may not read
-        shutil.copytree(folder, copy / package, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        skipped += copy_package(folder, copy / package)
+    make_read_only(copy)
+    os.chmod(work, 0o755)
     notes = [f"graded: {p} (from {found[p].relative_to(submission)})" for p in found]
     notes += [f"not found in the submission: {p} (the handout's stub is graded in its place)" for p in missing]
+    notes += [f"skipped from the upload: {s}" for s in skipped]
     print("\n".join(notes))
-    flags = flags_of(found)
+    flags = flags_of(found, source)
     for flag in flags:
         print(f"FLAG for the instructor: {flag}")
-
-    canaries = plant_canaries(copy / "tests", manifest["lessons"][0])
-    files = sorted({n.split("::")[0] for n in manifest["tests"] if not select or n.startswith(tuple(select))})
-    outcomes_log = work / "outcomes.jsonl"
-    cmd = [python, "-m", "pytest", "--graded-only", "--continue-on-collection-errors", "--color=no", "-q",
-           "-p", "no:cacheprovider", "--hypothesis-profile=grading", f"--timeout={test_timeout:g}",
-           "--outcomes-log", str(outcomes_log), "-m", " or ".join(manifest["lessons"]),
-           canaries[0].split("::")[0], *files, canaries[1].split("::")[0],
-           *shlex.split(os.environ.get("AUTOGRADER_PYTEST_ARGS", ""))]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGRADER_")}
-    env.update(HOME=str(work), PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
-    user = worker_user()
-    source_mode = source.stat().st_mode & 0o777
-    if user is not None:
-        os.chmod(source, 0o700)  # the bundle (manifest, hidden tests) out of the worker's reach
-        if not can_run_as(user, python):
-            print(f"warning: {WORKER_USER} cannot run {python}; the worker runs as root (make the "
-                  "environment readable by other users)")
-            user = None
     if user is None:
         print("note: the worker runs as the current user, with no privilege separation")
-    else:
-        shutil.chown(work, *user)
-        for path in work.rglob("*"):
-            os.chown(path, *user, follow_symlinks=False)
-    try:
-        log, status = run_worker(cmd, copy, env, user, time_limit)
-    finally:
-        os.chmod(source, source_mode)
-    print(log)
+    print(f"calibration: this machine runs {slowdown:.2f}x slower than the idle reference; "
+          f"each test may take {test_timeout:.0f} s")
 
-    outcomes, errors = read_outcomes(outcomes_log)
-    rows = grade(manifest, select, outcomes, errors, status, time_limit, log)
-    # A worker whose report says anything passed must also report the canaries failed.
-    anything_passed = any(row["status"] == "passed" for row in rows)
-    forged = [c for c in canaries if status_of(outcomes.get(c, {})) == "passed"
-              or (anything_passed and status is not None and status_of(outcomes.get(c, {})) != "failed")]
+    parts = split_parts(manifest, select)
+    deadline = time.monotonic() + time_limit
+    for part in parts:
+        if part.name == "hidden tests":
+            for file in part.files:
+                shutil.copy(hidden_store / Path(file).name, copy / file)
+                os.chmod(copy / file, 0o644)
+        remaining = max(1.0, deadline - time.monotonic())
+        run_part(part, copy, work, manifest, python, user, remaining, test_timeout, memory_mb)
+        print(f"== {part.name}: {len(part.files)} files, {part.seconds:.0f} s, pytest exit status {part.status}")
+        print(part.log if part.name != "hidden tests" else "(the hidden tests' output is not shown)")
+
+    rows = grade(manifest, select, parts)
     output = "\n".join(notes)
+    forged = [c for part in parts for c in part.forged()]
     if forged:
         print(f"FLAG for the instructor: canary tests that must fail were reported as passed: {forged}; "
               "the test reports were tampered with, the score is 0")
@@ -305,14 +564,25 @@ def main() -> int:
             row["score"], row["status"] = 0.0, "failed"
             row["output"] = "Not scored: the grader could not trust this run's reports; your instructor will review it."
         output += "\nThis submission's test reports could not be trusted; your instructor will review it."
-    if status is None:
-        output += f"\nThe grading time limit ({time_limit:g} s) was reached: tests that had not run score 0."
+    for part in parts:
+        if part.status is None:
+            output += (f"\nThe time limit was reached in the {part.name} part: its tests that had not run "
+                       "score 0.")
     output += "\n" + lesson_totals(rows)
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({"score": sum(r["score"] for r in rows), "output": output, "tests": rows}, indent=1))
+    extra = {"flags": flags, "forged_canaries": forged, "skipped_upload_files": skipped,
+             "slowdown": round(slowdown, 2), "test_timeout_s": round(test_timeout),
+             "parts": {p.name: {"files": len(p.files), "seconds": round(p.seconds), "exit_status": p.status}
+                       for p in parts}}
+    write_results(results, rows, output, extra)
     print(f"wrote {results}\n{lesson_totals(rows)}")
     shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def write_results(results: Path, rows: list[dict], output: str, extra: dict) -> None:
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"score": sum(r["score"] for r in rows), "output": output, "extra_data": extra,
+                                   "tests": rows}, indent=1))
 
 
 def write_internal_error(results: Path) -> None:
