@@ -180,7 +180,8 @@ def test_a_fresh_copy_scores_0_and_the_solution_full_marks_from_a_finder_zip_two
     graded = run_bundle(bundle, solution, tmp_path / "solution", select=f"{FAST} tests/{HIDDEN_FILE}")
     check_fresh_and_solution(fresh, graded)
     assert f"graded: l2_paged (from {Path('course/my-work/l2_paged')})" in graded["output"]
-    assert "l2: 34 / 34" in graded["output"]  # the lesson totals, visible to the student
+    # The totals the student sees at once count the visible tests only.
+    assert "l2: 30 / 30" in graded["output"] and "and 2 hidden tests (4 points), shown when" in graded["output"]
     visibility = {t["name"]: t["visibility"] for t in graded["tests"]}
     assert visibility.pop(HIDDEN) == visibility.pop(f"tests/{HIDDEN_FILE}::test_two_blocks_come_back_in_the_free_list") == "after_published"
     assert set(visibility.values()) == {"visible"}
@@ -197,7 +198,8 @@ def test_a_weekly_bundle_grades_only_its_lesson_with_the_students_earlier_packag
                          select=FAST)
     assert {t["tags"][0] for t in results["tests"]} == {"l2"}
     assert results["score"] == sum(t["max_score"] for t in results["tests"]) > 0, failed(results)
-    assert f"l2: {results['score']:g} / {results['score']:g}" in results["output"]
+    visible = sum(t["max_score"] for t in results["tests"] if t["visibility"] == "visible")
+    assert f"l2: {visible:g} / {visible:g}" in results["output"]  # the hidden test's points are not shown yet
 
 
 # ---------------------------------------------------------------- broken submissions: partial credit
@@ -224,9 +226,9 @@ def test_the_whole_run_has_a_time_limit_and_the_finished_tests_still_count(bundl
     results = run_bundle(bundle, submit(tmp_path, ROOT, edits=edits), tmp_path, select=FAST,
                          test_timeout=600, time_limit=30)
     assert results["seconds"] < 80
-    assert "time limit (30 s) was reached" in results["output"]
+    assert "The time limit was reached in the tests part" in results["output"]
     passed = [t for t in results["tests"] if t["status"] == "passed"]
-    not_run = [t for t in results["tests"] if "the grading time limit" in t["output"]]
+    not_run = [t for t in results["tests"] if "Not run: the time limit of the tests part" in t["output"]]
     assert passed and not_run and results["score"] == sum(t["max_score"] for t in passed)
 
 
@@ -294,14 +296,188 @@ def test_patching_the_grader_from_a_stub_submission_earns_nothing_and_is_flagged
 @pytest.mark.skipif(os.geteuid() != 0, reason="the worker switches to an unprivileged user only when run as root")
 def test_the_worker_runs_as_a_user_that_cannot_write_the_results(bundle, tmp_path):
     grade = load_script_at(bundle / "source" / "grade.py")
-    user = grade.worker_user()
-    if not grade.can_run_as(user, sys.executable):
-        pytest.skip(f"{grade.WORKER_USER} cannot run {sys.executable} here (a folder on its path is "
-                    "root's only); on Gradescope the environment lies in /autograder/venv")
+    if worker_python() is None:
+        pytest.skip("no python here that the worker user can run")
+    user = grade.worker_user(worker_python())
     probe = "import os, sys; open(sys.argv[1], 'w')"
-    run = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "results.json")],
+    run = subprocess.run([worker_python(), "-c", probe, str(tmp_path / "results.json")],
                          user=user[0], group=user[1], extra_groups=[], capture_output=True, text=True)
     assert run.returncode != 0 and "PermissionError" in run.stderr
+
+
+# ---------------------------------------------------------------- containment (the worker as another user)
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the worker runs as another user, contained, only when "
+                             "the grader runs as root (as on Gradescope)")
+
+
+def stub_with(bundle: Path, tmp_path: Path, code: str) -> Path:
+    """A fresh copy's packages whose l1_contiguous/__init__.py (imported by every test) runs `code`."""
+    init = "l1_contiguous/__init__.py"
+    text = (bundle / "source" / init).read_text()
+    return submit(tmp_path, bundle / "source", edits={init: (text, text + "\n" + code)})
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def note_of(marker: Path) -> str:
+    return marker.read_text() if marker.exists() else ""
+
+
+DAEMON = """
+import os as _os, re as _re, sys as _sys, time as _time
+if "--outcomes-log" in _sys.argv and not _os.environ.get("_DAEMON_STARTED"):
+    _os.environ["_DAEMON_STARTED"] = "1"
+    _worker, _fd = _os.getpid(), int(_sys.argv[_sys.argv.index("--outcomes-log") + 1].rsplit("/", 1)[1])
+    if _os.fork() == 0:
+        _os.setsid()
+        if _os.fork() == 0:  # detached: outlives the worker, then reports every test of the file as passed
+            open(MARKER, "w").write(str(_os.getpid()))
+            _names = _re.findall(r"^def (test_\\w+)", open("tests/test_l2_allocator.py").read(), _re.M)
+            while _os.path.exists(f"/proc/{_worker}"):
+                _time.sleep(0.01)
+            for _name in _names:
+                for _when in ("setup", "call", "teardown"):
+                    _os.write(_fd, ('{"nodeid": "tests/test_l2_allocator.py::%s", "when": "%s", "outcome": '
+                                    '"passed", "output": ""}\\n' % (_name, _when)).encode())
+            _time.sleep(3600)
+        _os._exit(0)
+"""
+
+
+@as_root
+def test_a_detached_process_is_killed_and_its_late_reports_change_nothing(bundle, tmp_path):
+    marker = Path(tempfile.mkdtemp(prefix="daemon-")) / "pid"
+    marker.parent.chmod(0o777)
+    results = run_bundle(bundle, stub_with(bundle, tmp_path, DAEMON.replace("MARKER", repr(str(marker)))), tmp_path)
+    pid = int(note_of(marker) or 0)
+    assert pid, "the daemon never started: " + results["log"][-2000:]
+    assert not alive(pid), "a process the student's code detached outlived the grading"
+    assert results["score"] == 0 and results["tests"], [t["name"] for t in results["tests"] if t["score"]]
+
+
+REWRITE_TESTS = """
+import pathlib as _pathlib
+for _path in _pathlib.Path("tests").glob("test_*.py"):  # every test rewritten to pass
+    try:
+        _path.write_text("def test_nothing():\\n    pass\\n")
+        open(MARKER, "a").write(f"rewrote {_path}\\n")
+    except OSError as _exc:
+        open(MARKER, "a").write(f"{type(_exc).__name__}\\n")
+"""
+
+
+@as_root
+def test_the_worker_cannot_rewrite_the_tests_it_runs(bundle, tmp_path):
+    marker = Path(tempfile.mkdtemp(prefix="rewrite-")) / "note"
+    marker.parent.chmod(0o777)
+    results = run_bundle(bundle, stub_with(bundle, tmp_path, REWRITE_TESTS.replace("MARKER", repr(str(marker)))),
+                         tmp_path)
+    assert "PermissionError" in note_of(marker) and "rewrote" not in note_of(marker), note_of(marker)[:500]
+    assert results["score"] == 0 and results["tests"]
+
+
+FORK_BOMB = """
+import os as _os, time as _time
+if not _os.environ.get("_BOMB_STARTED"):
+    _os.environ["_BOMB_STARTED"] = "1"
+    if _os.fork() == 0:
+        _os.setsid()
+        _started = _time.monotonic()
+        while _time.monotonic() - _started < 600:  # every child forks on too, until the process limit
+            try:
+                if _os.fork() == 0:
+                    open(MARKER, "a").write(f"{_os.getpid()}\\n")
+            except OSError:
+                _time.sleep(0.01)
+        _os._exit(0)
+"""
+MEMORY_HOG = """
+import os as _os
+if not _os.environ.get("_HOG_STARTED"):
+    _os.environ["_HOG_STARTED"] = "1"
+    try:
+        _hog = b"x" * (6 << 30)  # 6 GiB, written: more than the 4 GiB the grader allows a process here
+        open(MARKER, "w").write("allocated")
+    except MemoryError:
+        open(MARKER, "w").write("MemoryError")
+"""
+KILL_GRADER = """
+import os as _os, signal as _signal
+if _os.geteuid() != 0:  # (never as root: a broken containment must not kill the machine's processes)
+    try:
+        _os.kill(_os.getppid(), _signal.SIGKILL)  # the grader that started this worker
+        open(MARKER, "w").write("killed the grader")
+    except PermissionError:
+        open(MARKER, "w").write("PermissionError")
+else:
+    open(MARKER, "w").write("ran as root")
+"""
+
+
+@as_root
+@pytest.mark.parametrize("attack,expected", [(FORK_BOMB, None), (MEMORY_HOG, "MemoryError"),
+                                             (KILL_GRADER, "PermissionError")],
+                         ids=["fork-bomb", "memory-hog", "kill-the-grader"])
+def test_a_submission_that_attacks_the_machine_is_contained_and_graded(bundle, tmp_path, attack, expected):
+    marker = Path(tempfile.mkdtemp(prefix="attack-")) / "note"
+    marker.parent.chmod(0o777)
+    results = run_bundle(bundle, stub_with(bundle, tmp_path, attack.replace("MARKER", repr(str(marker)))), tmp_path,
+                         memory_mb=4096)
+    assert results["score"] == 0 and results["tests"], results["output"]
+    if expected is None:  # the fork bomb: it ran, and nothing it started is left
+        pids = [int(line) for line in note_of(marker).split()]
+        assert len(pids) > 10, "the fork bomb never forked"
+        assert not [pid for pid in pids if alive(pid)], "processes of the fork bomb outlived the grading"
+    else:
+        assert note_of(marker) == expected
+
+
+def test_symlinks_devices_and_oversized_files_in_the_upload_are_skipped_and_named(bundle, tmp_path):
+    submission = submit(tmp_path, ROOT)
+    package = submission / "my-work" / "l1_contiguous"
+    (package / "zeros.py").symlink_to("/dev/zero")
+    (package / "passwords").symlink_to("/etc/shadow")
+    (package / "blob.bin").write_bytes(b"\0" * (2 << 20))
+    os.mkfifo(package / "pipe")
+    results = run_bundle(bundle, submission, tmp_path)
+    for name in ("zeros.py", "passwords", "pipe"):
+        assert f"skipped from the upload: l1_contiguous/{name} (not a regular file)" in results["output"], name
+    assert "skipped from the upload: l1_contiguous/blob.bin (2097152 bytes" in results["output"]
+    assert results["score"] == sum(t["max_score"] for t in results["tests"]) > 0  # the rest graded as usual
+
+
+LEAK = """
+import glob as _glob
+_hidden = "".join(open(_path).read() for _path in _glob.glob("tests/*.py") if "hidden" in _path)
+if _hidden:  # every test that imports this fails with the hidden tests' source in its output
+    raise ImportError("LEAK " + _hidden)
+"""
+
+
+def test_a_hidden_test_files_source_never_reaches_a_visible_output(bundle, tmp_path):
+    results = run_bundle(bundle, stub_with(bundle, tmp_path, LEAK), tmp_path, select=f"{FAST} tests/{HIDDEN_FILE}")
+    visible = [t for t in results["tests"] if t["visibility"] == "visible"]
+    hidden = [t for t in results["tests"] if t["name"].startswith(f"tests/{HIDDEN_FILE}")]
+    assert visible and hidden and all(t["visibility"] == "after_published" for t in hidden)
+    assert "LEAK" in hidden[0]["output"]  # the attack works where it may: in the hidden tests' own output
+    assert not [t["name"] for t in visible if "LEAK" in t["output"]]
+    assert "test_two_blocks_come_back_in_the_free_list" not in results["output"] + results["log"]
+
+
+def test_flags_name_only_changed_code_that_only_a_cheat_needs(bundle, tmp_path):
+    untouched = run_bundle(bundle, submit(tmp_path / "a", bundle / "source"), tmp_path / "a")
+    assert untouched["extra_data"]["flags"] == [] and "FLAG" not in untouched["log"]
+    comment = "# the harness and the grading plugin are not used here; nor is inspect\nNOTE = 'import transformers'\n"
+    split = "import importlib as _il\n_plugin = _il.import_module('har' 'ness.grad' 'ing')\n"
+    results = run_bundle(bundle, stub_with(bundle, tmp_path / "b", comment + split), tmp_path / "b")
+    assert results["extra_data"]["flags"] == ["l1_contiguous/__init__.py: dynamic imports"], results["extra_data"]
+    assert "FLAG for the instructor: l1_contiguous/__init__.py: dynamic imports" in results["log"]
 
 
 def load_script_at(path: Path):

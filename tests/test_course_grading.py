@@ -99,9 +99,9 @@ def test_a_stub_that_raises_in_the_servers_thread_is_named_in_the_failure(tool, 
     assert not unnamed, f"these fail without naming the stub: {unnamed}"
 
 
-def check_finishing_l1(tool, tmp_path, *args):
+def check_finishing_l1(tool, tmp_path, *args, quick: bool = False):
     assert tool.main([str(tmp_path / "copy"), "--keep", "L1"]) == 0
-    tests = grade(tmp_path / "copy", tmp_path / "results.json", *args)
+    tests = grade(tmp_path / "copy", tmp_path / "results.json", *args, quick=quick)
     not_earned = missed(tests, ("l1",))
     assert not not_earned, "L1 tests fail in a copy where L1 is finished:\n" + "\n".join(not_earned)
     offenders = scored(tests, set(LESSONS) - {"l1"})
@@ -113,7 +113,7 @@ def check_finishing_l1(tool, tmp_path, *args):
 
 
 def test_finishing_l1_earns_all_of_l1_and_nothing_else(tool, tmp_path):
-    check_finishing_l1(tool, tmp_path, *FAST)
+    check_finishing_l1(tool, tmp_path, *FAST, quick=True)  # reduced sizes; the slow variant grades at full size
 
 
 @pytest.mark.slow

@@ -243,12 +243,12 @@ def check_a_waiting_request_left_is_never_decoded(embedded_model_dir) -> None:
             timeout=TIMEOUT_S).json()))
         first.start()
         deadline = time.monotonic() + TIMEOUT_S
-        while not loop.snapshot.get("running") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while not loop.snapshot.get("running") and first.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)  # (a first request that already ended, e.g. failed, ends the wait too)
         body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT_S) as r:
             assert r.status_code == 200
-            while not loop.snapshot.get("waiting") and time.monotonic() < deadline:
+            while not loop.snapshot.get("waiting") and first.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert loop.snapshot["waiting"], "the second request never waited"
         first.join(TIMEOUT_S)
