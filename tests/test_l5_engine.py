@@ -344,23 +344,30 @@ def test_a_request_with_nobody_left_to_evict_preempts_itself():
     assert x.state is State.WAITING and x.blocks == [] and sched.alloc.num_free == 2
 
 
-@pytest.mark.points(2)
-def test_a_prefill_chunk_needing_two_blocks_preempts_as_many_victims_as_it_takes():
-    """P prefills a chunk of 8 tokens (2 more blocks of 4); the pool is full and each of the two
-    victims holds one block: room is made victim after victim until the chunk fits (an `if` where
-    the `while` belongs frees one block and then runs out)."""
+# Making room victim after victim until the request fits is _make_room's whole job: most of its points.
+@pytest.mark.points(3)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("victims_needed", [2, 3])
+def test_a_prefill_chunk_preempts_as_many_victims_as_it_takes(victims_needed, mode):
+    """P prefills a chunk that needs `victims_needed` more blocks of 4; the pool is full and each
+    victim holds one block: room is made victim after victim, least recently scheduled first,
+    until the chunk fits (an `if` where the `while` belongs frees one block and then runs out)."""
+    chunk = BLOCK_SIZE * victims_needed
     p = EngineRequest(list(range(20)), 4, request_id=0, last_scheduled_step=9)
     p.cur_len, p.state = 4, State.RUNNING
-    victims = [decoding_request(1, 3, 1, last_scheduled_step=5), decoding_request(2, 3, 1, last_scheduled_step=4)]
-    alloc = BlockAllocator(3, BLOCK_SIZE)
+    victims = [decoding_request(1 + i, 3, 1, last_scheduled_step=5 - i) for i in range(victims_needed)]
+    alloc = BlockAllocator(1 + victims_needed, BLOCK_SIZE)
     for r in [p, *victims]:
         reserve(r, alloc, r.cur_len)
-    pool = BlockKvPool(TINY_CFG, 3, BLOCK_SIZE, torch.float32)
-    sched = Scheduler(alloc, lru_key, Preemptor(pool, alloc, "recompute"), prefill_chunk=8, watermark_blocks=1)
+    pool = BlockKvPool(TINY_CFG, 1 + victims_needed, BLOCK_SIZE, torch.float32)
+    sched = Scheduler(alloc, lru_key, Preemptor(pool, alloc, mode), prefill_chunk=chunk, watermark_blocks=1)
     sched.running = [p, *victims]
     plan = sched.schedule(now=10)
-    assert plan == [(p, 8)] and sorted(sched.preemptor.take_events()) == [1, 2]
-    assert len(p.blocks) == 3 and alloc.num_free == 0 and all(v.state is State.WAITING for v in victims)
+    assert plan == [(p, chunk)]
+    assert sched.preemptor.take_events() == [v.request_id for v in reversed(victims)]  # oldest first
+    assert len(p.blocks) == 1 + victims_needed and alloc.num_free == 0
+    preempted = State.SWAPPED if mode == "swap" else State.WAITING
+    assert all(v.state is preempted and v.blocks == [] for v in victims)
 
 
 # ---------------------------------------------------------------- admission: watermark, too large
