@@ -150,28 +150,34 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
         except InputError as exc:
             loop.metrics.rejected.labels("bad_request").inc()
             return error(400, str(exc))
-        if waiting["count"] >= config.max_waiting:  # backpressure: refuse now rather than queue forever
+        items = params.work_items()
+        if waiting["count"] + len(items) > config.max_waiting:  # backpressure: refuse now, not queue forever
             loop.metrics.rejected.labels("overloaded").inc()
-            return error(429, f"the server has {waiting['count']} requests waiting (its limit); retry later",
-                         "rate_limit_error", headers={"Retry-After": "1"})
+            return error(429, f"the server has {waiting['count']} requests waiting and takes {config.max_waiting}; "
+                         f"this one brings {len(items)}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
         if not loop.alive:
             return error(503, f"{_not_running(loop)}; see the server's log", "server_error")
-        # The slot is taken before the first await: a burst cannot pass the check above together.
-        waiting["count"] += 1
-        stream = loop.submit(params.work_item())
+        # The slots are taken before the first await: a burst cannot pass the check above together.
+        waiting["count"] += len(items)
+        streams = loop.submit_batch(items)
         try:
-            await asyncio.wrap_future(stream.accepted)
-        except InputError as exc:  # what only the engine could judge: too long, or a pool too small
-            waiting["count"] -= 1
+            for stream in streams:
+                await asyncio.wrap_future(stream.accepted)
+        except InputError as exc:  # what only the engine could judge (too long, a pool too small): none runs
+            waiting["count"] -= len(items)
             loop.metrics.rejected.labels("bad_request").inc()
             return error(400, str(exc))
-        except BaseException:  # the client left (cancelled) before the engine took the request
-            waiting["count"] -= 1
-            loop.abort(stream)
+        except BaseException:  # the client left (cancelled) before the engine took every prompt
+            waiting["count"] -= len(items)
+            for stream in streams:
+                loop.abort(stream)
             raise
-        choices = [Choice(StopMatcher(tokenizer, params.stop)) if tokenizer else Choice(None)
-                   for _ in range(params.n)]
-        steps = _choice_steps(loop, stream, params, choices, waiting)
+        # Prompt k's samples are choices k*n .. k*n + n-1 (OpenAI's numbering for a batch).
+        groups = [[Choice(StopMatcher(tokenizer, params.stop)) if tokenizer else Choice(None)
+                   for _ in range(params.n)] for _ in streams]
+        choices = [c for group in groups for c in group]
+        steps = _merged([_choice_steps(loop, stream, group, waiting) for stream, group in zip(streams, groups)],
+                        params.n)
         rid, created = f"{shape.id_prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
         head = {"id": rid, "object": shape.chunk_object if params.stream else shape.object, "created": created,
                 "model": config.model_name}
@@ -253,8 +259,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
                      middleware=[Middleware(RequestIdMiddleware)])
 
 
-async def _choice_steps(loop: EngineLoop, stream: Stream, params: CompletionParams, choices: list[Choice],
-                        waiting: dict):
+async def _choice_steps(loop: EngineLoop, stream: Stream, choices: list[Choice], waiting: dict):
     """Per engine step: the list of (index, text, new ids, finish) for the choices it changed.
     On the way out (finished, client gone, server stopping) the samples still running are aborted."""
     first = True
@@ -287,10 +292,43 @@ async def _choice_steps(loop: EngineLoop, stream: Stream, params: CompletionPara
             loop.abort(stream)  # the client left (or the server stops): give every block back
 
 
+async def _merged(generators: list, n: int):
+    """The steps of every prompt's `_choice_steps` as they come, each choice's index moved to its
+    place in the batch (prompt k's sample i is k*n + i). Closing this closes them all, which aborts
+    whatever still runs; a failure in one ends the whole."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, steps):
+        try:
+            async for out in steps:
+                queue.put_nowait([(k * n + i, *rest) for i, *rest in out])
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(k, steps)) for k, steps in enumerate(generators)]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            item = await queue.get()
+            if item is None:
+                ended += 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for steps in generators:
+            await steps.aclose()
+
+
 def _usage(params: CompletionParams, choices: list[Choice]) -> dict:
     out = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": len(params.prompt_ids), "completion_tokens": out,
-            "total_tokens": len(params.prompt_ids) + out}
+    return {"prompt_tokens": params.prompt_tokens, "completion_tokens": out, "total_tokens": params.prompt_tokens + out}
 
 
 @dataclass(frozen=True)

@@ -77,9 +77,14 @@ class EngineLoop:
             self._thread.start()
 
     def submit(self, item: ServeItem) -> Stream:
-        stream = Stream(item, asyncio.Queue(), asyncio.get_running_loop())
-        self.commands.put(("add", stream))
-        return stream
+        return self.submit_batch([item])[0]
+
+    def submit_batch(self, items: list[ServeItem]) -> list[Stream]:
+        """One request's prompts (a batch): the engine thread admits all of them or none, between
+        two steps, so a refused batch never decodes a token."""
+        streams = [Stream(item, asyncio.Queue(), asyncio.get_running_loop()) for item in items]
+        self.commands.put(("add", streams))
+        return streams
 
     def abort(self, stream: Stream, index: int | None = None) -> None:
         """Abort sample `index` of the stream, or all of them (None): blocks go back before the next step."""
@@ -131,16 +136,24 @@ class EngineLoop:
                 break
         self._publish({})
 
-    def _add(self, stream: Stream) -> None:
-        try:
-            req = self.engine.add_request(stream.item)
-        except (InputError, RequestTooLargeError) as exc:
-            stream.accepted.set_exception(InputError(str(exc)))
-            return
-        stream.group = req.group
-        self.streams[req.group] = stream
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        stream.accepted.set_result(req.group)
+    def _add(self, streams: list[Stream]) -> None:
+        added = []
+        for k, stream in enumerate(streams):
+            try:
+                req = self.engine.add_request(stream.item)
+            except (InputError, RequestTooLargeError) as exc:
+                for taken in added:  # take the batch's earlier prompts back: they never run (their
+                    self._abort_group(taken, None)  # streams were never registered: nothing is published)
+                refusal = InputError(f"prompt[{k}]: {exc}" if len(streams) > 1 else str(exc))
+                for each in streams:
+                    each.accepted.set_exception(refusal)
+                return
+            stream.group = req.group
+            added.append(stream)
+        for stream in streams:
+            self.streams[stream.group] = stream
+            self.metrics.prompt_tokens.inc(len(stream.item.prompt_ids))
+            stream.accepted.set_result(stream.group)
 
     def _abort_group(self, stream: Stream, index: int | None) -> None:
         """Abort the stream's unfinished samples (one sample if `index` is given); every block they hold
@@ -209,8 +222,9 @@ class EngineLoop:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] == "add" and not command[1].accepted.done():
-                command[1].accepted.set_exception(InputError("the server is shutting down; try again later"))
+            for stream in command[1] if command[0] == "add" else []:
+                if not stream.accepted.done():
+                    stream.accepted.set_exception(InputError("the server is shutting down; try again later"))
 
     def _snapshot(self) -> dict:
         """The state the live page and /metrics readers see: built here, read anywhere (replaced whole)."""

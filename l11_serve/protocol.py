@@ -21,9 +21,12 @@ NEUTRAL = {"echo": (False, None), "logprobs": (None,), "best_of": (None, 1), "us
            "logit_bias": (None, {})}
 
 
+MAX_PROMPTS = 64  # prompts in one request's batch: each takes a waiting slot and a group of samples
+
+
 @dataclass
 class CompletionParams:
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # one, or a batch: each runs as its own group of n samples
     max_tokens: int
     temperature: float
     top_p: float
@@ -40,12 +43,18 @@ class CompletionParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
 
-    def work_item(self) -> ServeItem:
-        return ServeItem(self.prompt_ids, self.max_tokens, n=self.n, temperature=self.temperature,
-                         seed=self.seed, top_p=self.top_p, stop_token_ids=tuple(self.stop_token_ids),
-                         ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                         presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                         repetition_penalty=self.repetition_penalty)
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    def work_items(self) -> list[ServeItem]:
+        """One engine item per prompt, each with the request's sampling settings (and seed)."""
+        return [ServeItem(prompt, self.max_tokens, n=self.n, temperature=self.temperature,
+                          seed=self.seed, top_p=self.top_p, stop_token_ids=tuple(self.stop_token_ids),
+                          ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                          presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                          repetition_penalty=self.repetition_penalty)
+                for prompt in self.prompts]
 
 
 SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options",
@@ -78,7 +87,7 @@ def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
                          "(booleans)")
     max_tokens = _int(body, "max_tokens", 16, low=1)
     return CompletionParams(
-        prompt_ids=_prompt(body.get("prompt"), tokenizer),
+        prompts=_prompts(body.get("prompt"), tokenizer),
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
         top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, open_low=True),
@@ -152,23 +161,29 @@ def chat_prompt_ids(messages: list[dict], tokenizer) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _prompt(prompt, tokenizer) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def _prompts(prompt, tokenizer) -> list[list[int]]:
+    """A string or a list of ids is one prompt; a list of those is a batch (OpenAI's form)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise InputError(f"prompt is a batch of {len(prompt)}; send at most {MAX_PROMPTS} prompts a request")
+        return [_prompt(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_prompt(prompt, tokenizer, "prompt")]
+
+
+def _prompt(prompt, tokenizer, name: str) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise InputError("prompt is empty; send some text or a list of token ids")
+            raise InputError(f"{name} is empty; send some text or a list of token ids")
         if tokenizer is None:
             raise InputError("this model folder has no tokenizer; send the prompt as a list of token ids")
-        _unicode(prompt, "prompt")
+        _unicode(prompt, name)
         return tokenizer.encode(prompt, add_special_tokens=False)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise InputError("send one prompt per request (a list of prompts is not supported)")
     if isinstance(prompt, list):
         if not prompt:
-            raise InputError("prompt is an empty list; send some text or token ids")
-        return _ids(prompt, "prompt")
-    raise InputError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InputError(f"{name} is an empty list; send some text or token ids")
+        return _ids(prompt, name)
+    raise InputError(f"{name} must be a string or a list of token ids (or a list of those), "
+                     f"got {type(prompt).__name__}")
 
 
 def _ids(value, name: str) -> list[int]:

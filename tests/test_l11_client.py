@@ -301,7 +301,7 @@ def test_a_folders_own_chat_template_is_used(embedded_model_dir):
     want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     assert chat_prompt_ids(messages, tok) == want
-    assert parse_chat({"messages": messages, "max_completion_tokens": 3}, tok, "m").prompt_ids == want
+    assert parse_chat({"messages": messages, "max_completion_tokens": 3}, tok, "m").prompts == [want]
 
 
 @pytest.mark.parametrize("body,words", [

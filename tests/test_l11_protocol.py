@@ -66,6 +66,41 @@ def test_stream_sends_one_event_per_token_then_usage_then_done(served):
     assert len({c["id"] for c in chunks[:-1]}) == 1
 
 
+BATCH = ["In the beginning God created", [3, 14, 15, 92, 65], PROMPT]  # text, ids, text
+
+
+def test_a_batch_of_prompts_gives_n_choices_each_numbered_prompt_by_prompt(served, embedded_model_dir):
+    """OpenAI's batch form (a list of prompts, as lm-evaluation-harness sends with batch_size > 1):
+    prompt k's samples are choices k*n .. k*n + n-1, each greedy one HF's ids for its own prompt,
+    whole and streamed, and usage counts every prompt's tokens."""
+    client, loop, tok = served
+    ids = [tok.encode(p, add_special_tokens=False) if isinstance(p, str) else p for p in BATCH]
+    want = [hf_ids(embedded_model_dir, p, 8) for p in ids]
+    body = complete(client, prompt=BATCH, max_tokens=8, n=2).json()
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert [c["token_ids"] for c in body["choices"]] == [w for w in want for _ in range(2)]
+    assert body["usage"]["prompt_tokens"] == sum(map(len, ids)) and body["usage"]["completion_tokens"] == 48
+    with client.stream("POST", "/v1/completions", json={"prompt": BATCH, "temperature": 0, "max_tokens": 8,
+                                                        "n": 2, "stream": True}) as r:
+        chunks = sse_chunks(r.iter_lines())[:-1]
+    streamed = {i: sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"][0]["index"] == i), [])
+                for i in range(6)}
+    assert [streamed[i] for i in range(6)] == [w for w in want for _ in range(2)]
+    wait_idle(loop)
+    assert_no_leak(loop)
+
+
+def test_a_batch_with_one_prompt_the_engine_refuses_runs_none_of_them(served):
+    client, loop, _ = served
+    wait_idle(loop)
+    before = loop.generated
+    r = complete(client, prompt=["And God said", [5] * 700, "Let there be light"], max_tokens=100)  # 50 blocks of 48
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt[1]: ")
+    wait_idle(loop)
+    assert loop.generated == before  # the accepted prompts were aborted before they decoded a token
+    assert_no_leak(loop)
+
+
 def test_models_health_and_pool_routes(served):
     client, loop, _ = served
     models = client.get("/v1/models").json()
@@ -90,7 +125,9 @@ BAD = [  # (body change, words the one-line message must contain)
     ({"prompt": ""}, "prompt is empty"),
     ({"prompt": [1, "a"]}, "prompt must be a list of integer"),
     ({"prompt": [10**9]}, "outside the vocabulary"),
-    ({"prompt": ["a", "b"]}, "one prompt per request"),
+    ({"prompt": ["And God said", ""]}, "prompt[1] is empty"),
+    ({"prompt": ["And God said", [10**9]]}, "prompt[1]: "),  # the engine's verdict, on the batch's second prompt
+    ({"prompt": ["a"] * 65}, "at most 64 prompts"),
     ({"max_tokens": 2040}, "positions"),  # the context: 2048 positions
     ({"prompt": [5] * 700, "max_tokens": 100}, "blocks"),  # 50 blocks: this pool of 48 can never hold it
     ({"model": "gpt-4"}, "not served here"),
