@@ -53,6 +53,7 @@ class Choice:
     matcher: StopMatcher
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per id kept, when asked
 
 
 MAX_BODY_BYTES = 4 * 2**20  # a prompt of the largest context is far smaller; more is a mistake or an attack
@@ -182,9 +183,9 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
         head = {"id": rid, "object": shape.chunk_object if params.stream else shape.object, "created": created,
                 "model": config.model_name}
         if params.stream:
-            return StreamingResponse(_sse(steps, head, params, choices, shape), media_type="text/event-stream",
+            return StreamingResponse(_sse(steps, head, params, choices, shape, tokenizer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _whole(request, steps, head, params, choices, shape)
+        return await _whole(request, steps, head, params, choices, shape, tokenizer)
 
     def model_card() -> dict:
         return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kv-cache-course",
@@ -260,7 +261,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
 
 
 async def _choice_steps(loop: EngineLoop, stream: Stream, choices: list[Choice], waiting: dict):
-    """Per engine step: the list of (index, text, new ids, finish) for the choices it changed.
+    """Per engine step: the list of (index, text, new ids, finish, their logprobs) for the choices it changed.
     On the way out (finished, client gone, server stopping) the samples still running are aborted."""
     first = True
     try:
@@ -276,13 +277,14 @@ async def _choice_steps(loop: EngineLoop, stream: Stream, choices: list[Choice],
                 text = c.matcher.feed(u.token_ids) if c.matcher else ""
                 kept = c.matcher.num_tokens - len(c.token_ids) if c.matcher else len(u.token_ids)
                 c.token_ids += u.token_ids[:kept]
+                c.logprobs += u.logprobs[:kept]
                 if c.matcher and c.matcher.stopped:
                     c.finish_reason = "stop"
                     loop.abort(stream, u.index)
                 elif u.finish_reason:
                     c.finish_reason = FINISH.get(u.finish_reason, u.finish_reason)  # an engine error reason as is
                     text += c.matcher.flush() if c.matcher else ""
-                out.append((u.index, text, u.token_ids[:kept], c.finish_reason))
+                out.append((u.index, text, u.token_ids[:kept], c.finish_reason, u.logprobs[:kept]))
             if out:
                 yield out
     finally:
@@ -341,10 +343,10 @@ class Shape:
     id_prefix: str
     chat: bool
 
-    def streamed(self, i: int, text: str, ids: list[int], finish) -> dict:
+    def streamed(self, i: int, text: str, ids: list[int], finish, logprobs=None) -> dict:
         if not self.chat:
-            return {"index": i, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}
-        return {"index": i, "delta": {"content": text} if text else {}, "token_ids": ids, "logprobs": None,
+            return {"index": i, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": i, "delta": {"content": text} if text else {}, "token_ids": ids, "logprobs": logprobs,
                 "finish_reason": finish}
 
     def opening(self, i: int) -> dict | None:
@@ -353,30 +355,59 @@ class Shape:
             return None
         return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def whole(self, i: int, text: str, ids: list[int], finish) -> dict:
+    def whole(self, i: int, text: str, ids: list[int], finish, logprobs=None) -> dict:
         if not self.chat:
-            return {"index": i, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}
-        return {"index": i, "message": {"role": "assistant", "content": text}, "token_ids": ids, "logprobs": None,
-                "finish_reason": finish}
+            return {"index": i, "text": text, "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": i, "message": {"role": "assistant", "content": text}, "token_ids": ids,
+                "logprobs": logprobs, "finish_reason": finish}
+
+    def logprobs(self, entries: list, ids: list[int], tokenizer, offset: int = 0) -> dict:
+        """OpenAI's logprobs object for these tokens: completions' four parallel lists (text_offset
+        counts characters of the tokens' own texts from `offset`), chat's `content` list."""
+        texts = [token_text(tokenizer, t) for t in ids]
+        if not self.chat:
+            offsets = [offset + sum(map(len, texts[:j])) for j in range(len(texts))]
+            return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                    "top_logprobs": [{token_text(tokenizer, t): v for t, v in e.top} for e in entries],
+                    "text_offset": offsets}
+
+        def entry(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(text, e.logprob), "top_logprobs": [entry(token_text(tokenizer, t), v)
+                                                                          for t, v in e.top]}
+                            for text, e in zip(texts, entries)]}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token's own text (a piece of a multi-byte character decodes to U+FFFD, as OpenAI's does to
+    bytes); without a tokenizer, vLLM's `token_id:N`."""
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
 
 TEXT = Shape("text_completion", "text_completion", "cmpl", chat=False)
 CHAT = Shape("chat.completion", "chat.completion.chunk", "chatcmpl", chat=True)
 
 
-async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice], shape: Shape = TEXT):
+async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice], shape: Shape = TEXT,
+               tokenizer=None):
     """Per engine step, one event for each choice it advanced (one choice per chunk, as OpenAI and
     vLLM send for n > 1: clients read `chunk.choices[0]` and its `index`), then usage if asked,
     then [DONE]. If making the text fails, an OpenAI-style error event ends the stream instead of
     a cut connection."""
     started: set[int] = set()
+    offsets = [0] * len(choices)  # characters of each choice's tokens sent so far (text_offset)
     try:
         async for out in steps:
-            for i, text, ids, finish in out:
+            for i, text, ids, finish, entries in out:
                 if i not in started and shape.opening(i) is not None:
                     yield f"data: {json.dumps({**head, 'choices': [shape.opening(i)]})}\n\n"
                 started.add(i)
-                chunk = {**head, "choices": [shape.streamed(i, text, ids, finish)]}
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = shape.logprobs(entries, ids, tokenizer, offsets[i])
+                    offsets[i] += sum(len(token_text(tokenizer, t)) for t in ids)
+                chunk = {**head, "choices": [shape.streamed(i, text, ids, finish, logprobs)]}
                 if params.continuous_usage:  # vLLM's stream_options.continuous_usage_stats
                     chunk["usage"] = _usage(params, choices)
                 elif params.include_usage:  # OpenAI: null in every chunk but the last
@@ -394,13 +425,13 @@ async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice
 
 
 async def _whole(request: Request, steps, head: dict, params: CompletionParams, choices: list[Choice],
-                 shape: Shape = TEXT) -> Response:
+                 shape: Shape = TEXT, tokenizer=None) -> Response:
     """Collect every step, or stop as soon as the client hangs up (then the samples are aborted)."""
     texts = [""] * len(choices)
 
     async def collect():
         async for out in steps:
-            for i, text, _, _ in out:
+            for i, text, *_ in out:
                 texts[i] += text
 
     async def hang_up():
@@ -419,6 +450,9 @@ async def _whole(request: Request, steps, head: dict, params: CompletionParams, 
         return error(500, f"the server failed: {one_line(collecting.exception())}", "server_error")
     if any(c.finish_reason is None for c in choices):
         return error(499, "client closed the request", "client_closed")  # nobody reads it
-    body = {**head, "choices": [shape.whole(i, texts[i], c.token_ids, c.finish_reason) for i, c in enumerate(choices)],
+    body = {**head, "choices": [shape.whole(i, texts[i], c.token_ids, c.finish_reason,
+                                            shape.logprobs(c.logprobs, c.token_ids, tokenizer)
+                                            if params.logprobs is not None else None)
+                                for i, c in enumerate(choices)],
             "usage": _usage(params, choices)}
     return JSONResponse(body)

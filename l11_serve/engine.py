@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,9 +30,22 @@ class ServeItem(SampledWorkItem):
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every id already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time an id was generated
     repetition_penalty: float = 1.0  # vLLM's (CTRL's): ids of prompt or output, logit / r if > 0 else * r
+    logprobs: int | None = None  # None: off; k: each new token's log-probability and the k most likely
 
 
-PER_REQUEST = ("top_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty")
+PER_REQUEST = ("top_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+               "logprobs")
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default limit; OpenAI's chat allows 20)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model (float32 log-softmax of its raw
+    logits: before penalties, temperature and top_p, as vLLM reports by default) and the `k` most
+    likely ids with theirs."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass
@@ -43,6 +56,8 @@ class ServeRequest(PrefixRequest):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, when asked
 
 
 class ServeEngine(PrefixEngine):
@@ -53,9 +68,13 @@ class ServeEngine(PrefixEngine):
         self._ids = itertools.count()
         # L5/L8 keep one record per step for the notebooks' plots; a server keeps the last few.
         self.timeline, self.metrics_timeline = deque(maxlen=history), deque(maxlen=history)
+        self._raw_rows: dict[int, torch.Tensor] = {}  # this step's logits rows, for logprobs
 
     def _check_item(self, item) -> None:
         super()._check_item(item)
+        k = getattr(item, "logprobs", None)
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+            raise InputError(f"logprobs must be an int from 0 to {MAX_LOGPROBS} (alternatives per token), got {k!r}")
         top_p = getattr(item, "top_p", 1.0)
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise InputError(f"top_p must be a number in (0, 1], got {top_p!r}")
@@ -90,12 +109,21 @@ class ServeEngine(PrefixEngine):
         super()._maybe_finish(req)
 
     def _sample(self, reqs, logits) -> list[int]:
+        # The raw rows of the requests that want logprobs (a fork's first token reads its parent's).
+        self._raw_rows = {r.request_id: row for r, row in zip(reqs, logits) if r.logprobs is not None}
         if any(_adjusts(r) for r in reqs):
             logits = torch.stack([self._adjusted(r, row) if _adjusts(r) else row for r, row in zip(reqs, logits)])
         if any(not is_greedy(r.temperature) and r.top_p < 1 for r in reqs):
             logits = torch.stack([nucleus(row, r.temperature, r.top_p) if not is_greedy(r.temperature) else row
                                   for r, row in zip(reqs, logits)])
         return super()._sample(reqs, logits)  # the forks' first draw reads these (cut) rows too
+
+    def _commit(self, plan, tokens) -> None:
+        super()._commit(plan, tokens)
+        for req in self.requests.values():
+            if req.logprobs is not None and len(req.token_logprobs) < len(req.output_ids):
+                row = self._raw_rows.get(req.request_id, self._raw_rows.get(req.group))
+                req.token_logprobs.append(token_logprob(row, req.output_ids[len(req.token_logprobs)], req.logprobs))
 
     def _adjusted(self, req, row: torch.Tensor) -> torch.Tensor:
         """The row after the request's penalties and its min_tokens mask (a copy)."""
@@ -132,6 +160,14 @@ class ServeEngine(PrefixEngine):
 def _adjusts(req) -> bool:
     return (req.repetition_penalty != 1.0 or req.presence_penalty != 0 or req.frequency_penalty != 0
             or len(req.output_ids) < req.min_tokens)
+
+
+def token_logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """`token`'s log-probability in the raw logits `row`, and the k most likely ids with theirs."""
+    logprobs = torch.log_softmax(row.float(), dim=-1)
+    top = torch.topk(logprobs, k, sorted=True) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if k else ()
+    return TokenLogprob(float(logprobs[token]), pairs)
 
 
 def nucleus(row: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

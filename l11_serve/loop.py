@@ -40,6 +40,7 @@ class Update:
     index: int  # sample index (the choice's index in the response)
     token_ids: list[int]
     finish_reason: str | None = None  # the engine's: eos, stop, length, aborted, error
+    logprobs: list = field(default_factory=list)  # a TokenLogprob per id, when the request asked
 
 
 @dataclass
@@ -196,7 +197,8 @@ class EngineLoop:
             sent = stream.sent.get(rid, 0)
             reason = req.finish_reason if req.state is State.FINISHED else None
             if len(req.output_ids) > sent or reason:
-                updates.setdefault(req.group, []).append(Update(req.sample_index, req.output_ids[sent:], reason))
+                updates.setdefault(req.group, []).append(
+                    Update(req.sample_index, req.output_ids[sent:], reason, req.token_logprobs[sent:]))
                 stream.sent[rid] = len(req.output_ids)
                 if reason:
                     stream.finished.add(req.sample_index)

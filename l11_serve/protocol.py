@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from l1_contiguous import InputError
 from l1_contiguous.errors import short_repr
 
-from .engine import ServeItem
+from .engine import MAX_LOGPROBS, ServeItem
 
 # Fields of OpenAI's /v1/completions this server ignores when they hold their neutral value.
-NEUTRAL = {"echo": (False, None), "logprobs": (None,), "best_of": (None, 1), "user": None, "suffix": (None,),
+NEUTRAL = {"echo": (False, None), "best_of": (None, 1), "user": None, "suffix": (None,),
            "logit_bias": (None, {})}
 
 
@@ -42,6 +42,7 @@ class CompletionParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
 
     @property
     def prompt_tokens(self) -> int:
@@ -53,7 +54,7 @@ class CompletionParams:
                           seed=self.seed, top_p=self.top_p, stop_token_ids=tuple(self.stop_token_ids),
                           ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                          repetition_penalty=self.repetition_penalty)
+                          repetition_penalty=self.repetition_penalty, logprobs=self.logprobs)
                 for prompt in self.prompts]
 
 
@@ -76,7 +77,7 @@ def _check_fields(body: dict, own: set[str], neutral_values: dict) -> None:
 def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
     if not isinstance(body, dict):
         raise InputError("the request body must be a JSON object like {\"prompt\": \"...\", \"max_tokens\": 16}")
-    _check_fields(body, {"prompt", "stop_token_ids"}, NEUTRAL)
+    _check_fields(body, {"prompt", "stop_token_ids", "logprobs"}, NEUTRAL)
     if body.get("model", model_name) not in (model_name, None):
         raise InputError(f"model {body['model']!r} is not served here; GET /v1/models lists {model_name!r}")
     if body.get("stop") and tokenizer is None:
@@ -102,10 +103,11 @@ def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
         min_tokens=_int(body, "min_tokens", 0, low=0, high=max_tokens),
         presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0.0, high=2.0, open_low=True))
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0.0, high=2.0, open_low=True),
+        logprobs=_int(body, "logprobs", None, low=0, high=MAX_LOGPROBS) if body.get("logprobs") is not None else None)
 
 
-CHAT_NEUTRAL = {**NEUTRAL, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+CHAT_NEUTRAL = {**NEUTRAL, "tools": (None, []),
                 "tool_choice": (None, "none"), "parallel_tool_calls": None, "response_format": (None, {"type": "text"}),
                 "store": (None, False), "metadata": None, "service_tier": None}
 ROLES = ("system", "user", "assistant", "developer")
@@ -122,11 +124,18 @@ def parse_chat(body, tokenizer, model_name: str) -> CompletionParams:
                          "\"content\": \"...\"}]}")
     if tokenizer is None:
         raise InputError("chat needs a tokenizer and this model folder has none; use /v1/completions with ids")
-    _check_fields(body, {"messages", "max_completion_tokens"}, CHAT_NEUTRAL)
+    _check_fields(body, {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}, CHAT_NEUTRAL)
     prompt_ids = chat_prompt_ids(messages(body.get("messages")), tokenizer)
-    rest = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", *CHAT_NEUTRAL)}
+    rest = {k: v for k, v in body.items()
+            if k not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs", *CHAT_NEUTRAL)}
     if body.get("max_completion_tokens") is not None:
         rest["max_tokens"] = body["max_completion_tokens"]
+    # Chat's form: logprobs is a switch, top_logprobs the alternatives (which need the switch on).
+    wanted = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, low=0, high=MAX_LOGPROBS) if body.get("top_logprobs") is not None else 0
+    if top and not wanted:
+        raise InputError("top_logprobs needs logprobs: true")
+    rest["logprobs"] = top if wanted else None
     return parse_completion({**rest, "prompt": prompt_ids}, tokenizer, model_name)
 
 

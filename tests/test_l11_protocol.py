@@ -101,6 +101,69 @@ def test_a_batch_with_one_prompt_the_engine_refuses_runs_none_of_them(served):
     assert_no_leak(loop)
 
 
+LOGPROB_TOL = 1e-4  # float32 log-softmax of logits that agree with HF's to ~1e-5 on this model
+
+
+def test_logprobs_are_hfs_log_softmax_with_the_top_k_whole_and_streamed(served, embedded_model_dir):
+    """`logprobs: 3`: each generated token's log-probability and the 3 most likely tokens, as HF's
+    float32 log_softmax of the logits that chose it; the streamed chunks carry the same values, and
+    text_offset counts the tokens' own characters."""
+    from harness import hf_reference as hf
+
+    client, loop, tok = served
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    body = complete(client, max_tokens=6, logprobs=3).json()
+    choice = body["choices"][0]
+    want = torch.log_softmax(hf.greedy_step_logits(hf.load_hf_model(str(embedded_model_dir)), ids,
+                                                   choice["token_ids"]), dim=-1)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in choice["token_ids"]]
+    for j, token in enumerate(choice["token_ids"]):
+        assert abs(lp["token_logprobs"][j] - float(want[j, token])) < LOGPROB_TOL
+        top = want[j].topk(3)
+        assert list(lp["top_logprobs"][j]) == [tok.decode([t]) for t in top.indices.tolist()]
+        assert all(abs(a - b) < LOGPROB_TOL for a, b in zip(lp["top_logprobs"][j].values(), top.values.tolist()))
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(6)]
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "temperature": 0, "max_tokens": 6,
+                                                        "logprobs": 3, "stream": True}) as r:
+        chunks = [c["choices"][0]["logprobs"] for c in sse_chunks(r.iter_lines())[:-1]]
+    assert {k: sum((c[k] for c in chunks), []) for k in lp} == lp
+    assert complete(client, max_tokens=2).json()["choices"][0]["logprobs"] is None  # only when asked
+    wait_idle(loop)
+
+
+def test_chat_logprobs_and_top_logprobs_and_a_sampled_fork_gets_its_own(served):
+    """Chat's form (`logprobs: true`, `top_logprobs: 2`): per token its text, log-probability and
+    UTF-8 bytes; with n = 2 sampled, each sample's logprobs are of its own tokens (the fork's first
+    token included, drawn from its parent's row), and equal to those the same tokens get greedily
+    where the two agree on the prefix."""
+    client, loop, tok = served
+    messages = [{"role": "user", "content": "Blessed are the"}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "temperature": 0,
+                                                  "logprobs": True, "top_logprobs": 20})
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tok.decode([t]) for t in choice["token_ids"]]
+    assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 20 for c in content)
+    assert all(c["top_logprobs"][0]["logprob"] == c["logprob"] for c in content)  # greedy: its pick is the top
+    # The first row's 20 most likely tokens: where both samples draw their first token from.
+    first_row = {e["token"]: e["logprob"] for e in content[0]["top_logprobs"]}
+    sampled = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "temperature": 0.8,
+                                                        "n": 4, "seed": 7, "logprobs": True}).json()["choices"]
+    matched = 0
+    for c in sampled:
+        entries = c["logprobs"]["content"]
+        assert [e["token"] for e in entries] == [tok.decode([t]) for t in c["token_ids"]]
+        assert all(e["logprob"] <= 0 and e["top_logprobs"] == [] for e in entries)
+        if entries[0]["token"] in first_row:  # samples 1..3 are forks: their first logprob is from the parent's row
+            assert abs(entries[0]["logprob"] - first_row[entries[0]["token"]]) < LOGPROB_TOL
+            matched += 1
+    assert matched >= 3, "the samples' first tokens should mostly lie in the row's top 20"
+    r = client.post("/v1/chat/completions", json={"messages": messages, "top_logprobs": 2})
+    assert r.status_code == 400 and "top_logprobs needs logprobs: true" in r.json()["error"]["message"]
+    wait_idle(loop)
+
+
 def test_models_health_and_pool_routes(served):
     client, loop, _ = served
     models = client.get("/v1/models").json()
@@ -131,7 +194,8 @@ BAD = [  # (body change, words the one-line message must contain)
     ({"max_tokens": 2040}, "positions"),  # the context: 2048 positions
     ({"prompt": [5] * 700, "max_tokens": 100}, "blocks"),  # 50 blocks: this pool of 48 can never hold it
     ({"model": "gpt-4"}, "not served here"),
-    ({"logprobs": 3}, "not supported"),
+    ({"logprobs": 21}, "logprobs must be an integer in 0..20"),
+    ({"echo": True}, "not supported"),
 ]
 
 
