@@ -56,6 +56,7 @@ class Choice:
     logprobs: list = field(default_factory=list)  # a TokenLogprob per id kept, when asked
 
 
+POOL_VIEW_WAIT_S = 1.0  # /pool waits this long for the engine thread's block view (between two steps)
 MAX_BODY_BYTES = 4 * 2**20  # a prompt of the largest context is far smaller; more is a mistake or an attack
 
 
@@ -239,7 +240,11 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
         return Response(loop.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def pool(request: Request) -> Response:
-        return JSONResponse({**loop.snapshot, "waiting_http": waiting["count"]})
+        try:
+            view = await asyncio.wait_for(asyncio.wrap_future(loop.pool_view()), timeout=POOL_VIEW_WAIT_S)
+        except asyncio.TimeoutError:  # a step longer than that: the last snapshot, without the blocks
+            view = {**loop.snapshot, "blocks": None}
+        return JSONResponse({**view, "waiting_http": waiting["count"]})
 
     async def page(request: Request) -> Response:
         return FileResponse(STATIC / "pool.html")

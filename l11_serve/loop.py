@@ -87,6 +87,16 @@ class EngineLoop:
         self.commands.put(("add", streams))
         return streams
 
+    def pool_view(self) -> concurrent.futures.Future:
+        """The last snapshot with `blocks` (every block's state) added: built by the engine thread
+        between two steps, only when someone asks (it walks every block in Python)."""
+        view: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._thread.is_alive():  # no engine thread to race with: read it here
+            self._answer_pool(view)
+        else:
+            self.commands.put(("pool", view))
+        return view
+
     def abort(self, stream: Stream, index: int | None = None) -> None:
         """Abort sample `index` of the stream, or all of them (None): blocks go back before the next step."""
         self.commands.put(("abort", stream, index))
@@ -131,6 +141,8 @@ class EngineLoop:
                 self._add(command[1])
             elif command[0] == "abort":
                 self._abort_group(*command[1:])
+            elif command[0] == "pool":
+                self._answer_pool(command[1])
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
@@ -224,6 +236,8 @@ class EngineLoop:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 break
+            if command[0] == "pool":
+                self._answer_pool(command[1])
             for stream in command[1] if command[0] == "add" else []:
                 if not stream.accepted.done():
                     stream.accepted.set_exception(InputError("the server is shutting down; try again later"))
@@ -234,7 +248,6 @@ class EngineLoop:
         s = e.scheduler
         return {
             "step": e.now, "block_size": a.block_size, "num_blocks": a.num_blocks,
-            "blocks": e.pool_state(),
             "running": [_describe(r) for r in s.running],
             "waiting": [_describe(r) for r in [*s.waiting, *s.swapped]],
             "blocks_used": a.num_used, "blocks_free": a.num_free, "blocks_cached": len(a.cached_free),
@@ -244,6 +257,14 @@ class EngineLoop:
             "preemptions": e.preemptor.counters.preempted_recompute + e.preemptor.counters.preempted_swap,
             "generation_tokens": getattr(self, "generated", 0),
         }
+
+
+    def _pool_view(self) -> dict:
+        return {**self.snapshot, "blocks": self.engine.pool_state()}
+
+    def _answer_pool(self, view: concurrent.futures.Future) -> None:
+        if view.set_running_or_notify_cancel():  # False: the poller gave up waiting (a long step)
+            view.set_result(self._pool_view())
 
 
 def _describe(req) -> dict:

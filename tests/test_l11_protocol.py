@@ -173,6 +173,7 @@ def test_models_health_and_pool_routes(served):
     pool = client.get("/pool").json()
     assert pool["num_blocks"] == len(pool["blocks"]) == 48 and pool["blocks_used"] == 0
     assert {state for state, _, _ in pool["blocks"]} <= {"free", "cached"}
+    assert "blocks" not in loop.snapshot  # the per-block walk is made only when /pool asks, not every step
     assert "<title>KV pool" in client.get("/").text
 
 
@@ -235,6 +236,11 @@ def test_full_waiting_queue_answers_429_with_an_openai_error_then_recovers(embed
         while client.get("/pool").json()["waiting_http"] < 1:
             assert worker.is_alive()
         r = complete(client, max_tokens=3)
+        while not loop.snapshot["waiting"]:  # published just before the held step begins
+            time.sleep(0.01)
+        started = time.monotonic()
+        held = client.get("/pool").json()  # the engine thread is mid-step: the counts, without the blocks
+        assert held["blocks"] is None and held["waiting_http"] == 1 and time.monotonic() - started < 5
         release.set()
         worker.join(TIMEOUT_S)
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
@@ -244,6 +250,7 @@ def test_full_waiting_queue_answers_429_with_an_openai_error_then_recovers(embed
         assert 'kvcourse_requests_rejected_total{reason="overloaded"} 1.0' in client.get("/metrics").text
         wait_idle(loop)
         assert_no_leak(loop)
+        assert loop.alive and len(client.get("/pool").json()["blocks"]) == 16  # the poll that gave up hurt nothing
 
 
 def test_nucleus_keeps_the_smallest_set_reaching_top_p():
