@@ -351,15 +351,16 @@ def _compile(tmp_path, archs):
     assert "warning" not in result.stderr.lower(), result.stderr[-4000:]
 
 
-def test_kernel_compiles_for_the_oldest_and_newest_supported_arch(tmp_path):
-    """Turing (T4), the oldest (no native bf16 arithmetic), and Hopper (H100): one nvcc call, its
-    --threads 0 compiling both side by side. About 30 s on 2 idle cores (108 kernels per arch)."""
-    _compile(tmp_path, ["75", "90"])
+def test_kernel_compiles_for_the_oldest_supported_arch(tmp_path):
+    """Turing (T4), the oldest: no native bf16 arithmetic, the arch most likely to reject an
+    intrinsic. About 20 s on 2 idle cores (108 kernels). The kernel itself ran on an H100."""
+    _compile(tmp_path, ["75"])
 
 
 @pytest.mark.slow
 def test_kernel_compiles_for_every_supported_arch(tmp_path):
-    """Ampere (A100) and Ada (L4, RTX 40xx) too: about 55 s on 2 idle cores."""
+    """Turing (T4), Ampere (A100), Ada (L4, RTX 40xx), Hopper (H100): one nvcc call, its --threads 0
+    compiling the architectures side by side. About 55 s on 2 idle cores."""
     _compile(tmp_path, ["75", "80", "89", "90"])
 
 
