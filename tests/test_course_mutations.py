@@ -35,7 +35,7 @@ class Mutation:
     bug: str  # what the student wrote instead
     tests: tuple[str, ...]  # pytest arguments selecting the tests that carry the function's points
     too_weak: str = ""  # a known gap (issue 37), measured: the test is expected to fail until fixed
-    also_killed_by: str = ""  # another mutation of the same lines, caught by the same tests: only with --run-slow
+    also_killed_by: str = ""  # another mutation that the same test kills: this one runs only with --run-slow
 
 
 MUTATIONS = [
@@ -120,6 +120,76 @@ MUTATIONS = [
         "            if req.group == stream.group and req.state is not State.FINISHED \\\n",
         "            if req.group == stream.group and req.state is State.RUNNING \\\n",
         ("tests/test_l11_client.py", "-k", "hangs_up or gives_up or stop_string or leaves or abort_path"),
+    ),
+    # The bugs issue 37's probes wrote, one per function each, beyond those above.
+    Mutation(
+        "L2 alloc_blocks pops until the pool runs dry, leaving a partial allocation",
+        "l2_paged/allocator.py",
+        "        if n > len(self.free_blocks):\n            raise OutOfBlocksError(n, len(self.free_blocks))  "
+        "# checked before anything changes\n        blocks = [self.free_blocks.pop() for _ in range(n)]\n",
+        "        blocks = []\n        for _ in range(n):\n            if not self.free_blocks:\n"
+        "                raise OutOfBlocksError(n, len(blocks))\n            blocks.append(self.free_blocks.pop())\n",
+        ("tests/test_l2_allocator.py", "-k", "fresh or running_out or bad_sizes or random_alloc"),
+    ),
+    Mutation(
+        "L5 swap_out copies every block, not only those holding K/V",
+        "l5_eviction/preempt.py",
+        "        trim(req, self.alloc)  # only blocks holding K/V travel\n",
+        "",
+        ("tests/test_l5_engine.py", "-k", "swap_out"),
+    ),
+    Mutation(
+        "L5 _make_room gives up without preempting the request itself",
+        "l5_eviction/scheduler.py",
+        "            if not queue:\n                self._preempt(req)\n                return False\n",
+        "            if not queue:\n                return False\n",
+        ("tests/test_l5_engine.py", "-k", "victims or itself"),
+    ),
+    Mutation(
+        "L11 observe_step keeps every finished request's clock forever",
+        "l11_serve/metrics.py",
+        "                del self.last_token_at[rid]\n",
+        "                pass\n",
+        ("tests/test_l11_metrics.py",),
+    ),
+    Mutation(
+        "L11 observe_step measures the inter-token latency from the arrival",
+        "l11_serve/metrics.py",
+        "                self.itl.observe(now - self.last_token_at[rid])\n",
+        "                self.itl.observe(now - arrived_at[req.group])\n",
+        ("tests/test_l11_metrics.py",),
+        also_killed_by="L11 observe_step keeps every finished request's clock forever",
+    ),
+    Mutation(
+        "L11 observe_step counts forks with sharing off",
+        "l11_serve/metrics.py",
+        "                if req.sample_index > 0 and engine.sharing:\n",
+        "                if req.sample_index > 0:\n",
+        ("tests/test_l11_metrics.py",),
+        also_killed_by="L11 observe_step keeps every finished request's clock forever",
+    ),
+    Mutation(
+        "L11 observe_step's waiting gauge leaves out swapped requests",
+        "l11_serve/metrics.py",
+        "        self.waiting.set(len(s.waiting) + len(s.swapped))\n",
+        "        self.waiting.set(len(s.waiting))\n",
+        ("tests/test_l11_metrics.py",),
+        also_killed_by="L11 observe_step keeps every finished request's clock forever",
+    ),
+    Mutation(
+        "L11 observe_step's running gauge counts waiting requests",
+        "l11_serve/metrics.py",
+        "        self.running.set(len(s.running))\n",
+        "        self.running.set(len(s.running) + len(s.waiting))\n",
+        ("tests/test_l11_metrics.py",),
+        also_killed_by="L11 observe_step keeps every finished request's clock forever",
+    ),
+    Mutation(
+        "L11 StopMatcher.feed sends half a UTF-8 character",
+        "l11_serve/stops.py",
+        "            if text.endswith(REPLACEMENT):\n                continue  # half a character: decide when the rest arrives\n",
+        "",
+        ("tests/test_l11_stops.py",),
     ),
 ]
 

@@ -4,12 +4,15 @@ of what the test sent and got back, and against the engine's own counters."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from l11_serve import Server, build_server
+from l11_serve.metrics import ServeMetrics
+from l5_eviction import State
 from serve_helpers import TIMEOUT_S, assert_no_leak, wait_idle, hold_until_queued
 
 pytestmark = [pytest.mark.l11, pytest.mark.usefixtures("one_torch_thread")]
@@ -85,3 +88,53 @@ def test_gauges_show_a_running_request_and_preemptions_match_the_engine(embedded
     assert value(after, "kvcourse_preemptions_total") == c.preempted_recompute + c.preempted_swap >= 1
     assert value(after, "kvcourse_generation_tokens_total") == 3 * 40
     assert_no_leak(loop)
+
+
+def fake_engine(running=(), waiting=(), swapped=(), requests=None, sharing=True) -> SimpleNamespace:
+    """What observe_step reads of an engine, set by hand: a pool of 8 blocks, 3 used, 1 cached."""
+    return SimpleNamespace(
+        alloc=SimpleNamespace(num_blocks=8, num_used=3, num_free=5, cached_free={7: None}),
+        scheduler=SimpleNamespace(running=list(running), waiting=list(waiting), swapped=list(swapped)),
+        prefix=SimpleNamespace(prefill_tokens_total=0, prefix_hit_tokens=0),
+        preemptor=SimpleNamespace(counters=SimpleNamespace(preempted_recompute=0, preempted_swap=0)),
+        requests=requests or {}, sharing=sharing)
+
+
+def fake_request(group: int, sample: int = 0, reason: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(group=group, sample_index=sample, finish_reason=reason,
+                           state=State.FINISHED if reason else State.RUNNING)
+
+
+def sample(metrics: ServeMetrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+# observe_step's contract (lesson §2.6) step by step, with the clock in the test's hands.
+@pytest.mark.points(4)
+def test_observe_step_keeps_each_rule_of_its_contract():
+    for sharing in (True, False):
+        check_observe_step(sharing)
+
+
+def check_observe_step(sharing: bool) -> None:
+    m = ServeMetrics()
+    r0, r1 = fake_request(group=0), fake_request(group=0, sample=1)  # r1: the fork of r0's prompt
+    queued, swapped = fake_request(group=5), fake_request(group=6)
+    engine = fake_engine(running=[r0], waiting=[queued], swapped=[swapped], requests={0: r0}, sharing=sharing)
+    m.observe_step(engine, {0: 1}, {0: 4.0}, now=10.0)  # r0's first token, 6 s after its arrival
+    assert sample(m, "kvcourse_requests_running") == 1  # the running list only
+    assert sample(m, "kvcourse_requests_waiting") == 2  # waiting and swapped: neither runs
+    engine.requests[1] = r1
+    engine.scheduler.running.append(r1)
+    m.observe_step(engine, {0: 1, 1: 1}, {0: 4.0}, now=11.0)  # r0's second token; the fork's first
+    assert sample(m, "kvcourse_forks_total") == (1 if sharing else 0)  # a fork is one only with sharing on
+    r0.state, r0.finish_reason = State.FINISHED, "length"
+    m.observe_step(engine, {0: 1}, {0: 4.0}, now=14.0)  # r0's third and last token
+    assert sample(m, "kvcourse_time_to_first_token_seconds_count") == 2
+    assert sample(m, "kvcourse_time_to_first_token_seconds_sum") == pytest.approx(6.0 + 7.0)
+    # Inter-token latency: from each token to the next of the same request (1 s, then 3 s).
+    assert sample(m, "kvcourse_inter_token_latency_seconds_count") == 2
+    assert sample(m, "kvcourse_inter_token_latency_seconds_sum") == pytest.approx(1.0 + 3.0)
+    assert sample(m, "kvcourse_generation_tokens_total") == 4
+    assert sample(m, "kvcourse_requests_finished_total", reason="length") == 1
+    assert m.last_token_at == {1: 11.0}  # the finished request's clock is forgotten; the fork's kept

@@ -12,9 +12,10 @@ from l11_serve import StopMatcher
 
 pytestmark = pytest.mark.l11
 
-PASSAGE = ("And God said, Let there be light: and there was light. And God saw the light, that it was good: "
-           "and God divided the light from the darkness. And God called the light Day, and the darkness he "
-           "called Night. And the evening and the morning were the first day.")
+# Characters of two and three UTF-8 bytes among the words, so that windows start and stop inside them.
+PASSAGE = ("And God said, “Let there be light”: and there was light. And God saw the light, that it was "
+           "good — naïvely good: and God divided the light from the darkness. And God called the light Day, "
+           "and the darkness he called Night. And the evening and the morning were the first day.")
 
 
 @pytest.fixture(scope="module")

@@ -220,7 +220,8 @@ def only_victim(sched, now) -> tuple[EngineRequest, list]:
 # request has room left in its last block. The pool has no free block, so X must take one.
 
 
-@pytest.mark.points(1)
+# swap_out's and swap_in's own contract (the workload tests above cover their path as a whole).
+@pytest.mark.points(3)
 def test_swap_out_copies_only_the_blocks_holding_kv_and_swap_in_restores_them():
     """L5 §2.6: `trim` before the copy. A victim at cur_len 5 holding 3 blocks of 4 (the third reserved
     for tokens it never computed) sends 2 blocks to the host, in table order, and frees all 3."""
@@ -332,16 +333,19 @@ def test_make_policy_names_and_score_defaults():
         make_policy("fifo", 8)
 
 
-@pytest.mark.points(1)
-def test_a_request_with_nobody_left_to_evict_preempts_itself():
+# _make_room's other path, as heavy as the victims': a request with nobody left to evict yields.
+@pytest.mark.points(6)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_request_with_nobody_left_to_evict_preempts_itself(mode):
     """Y was scheduled more recently and is served first; X, last, finds no block and no one
     left below it in the order: X yields its own blocks rather than taking Y's."""
     y = decoding_request(0, 6, 1, last_scheduled_step=9)
     x = decoding_request(1, 8, 1, last_scheduled_step=5)
-    sched = hand_built(lru_key, [y, x])
+    sched = hand_built(lru_key, [y, x], mode=mode)
     plan = sched.schedule(now=10)
     assert plan == [(y, 1)] and sched.preemptor.take_events() == [1]
-    assert x.state is State.WAITING and x.blocks == [] and sched.alloc.num_free == 2
+    preempted = State.SWAPPED if mode == "swap" else State.WAITING
+    assert x.state is preempted and x.blocks == [] and sched.alloc.num_free == 2
 
 
 # Making room victim after victim until the request fits is _make_room's whole job: most of its points.
