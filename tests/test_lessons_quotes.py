@@ -7,11 +7,21 @@ process, and every quoted line must be in its output. When a counter changes on 
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from harness import lesson_quotes as lq
+from harness.grading import LESSON_PACKAGES
+
+ROOT = Path(__file__).resolve().parent.parent
+# {"l1": "L1-contiguous.md", ...}: each lesson package's text
+LESSON_FILES = {lesson: next(p.name for p in (ROOT / "lessons").glob(f"L{lesson[1:]}-*.md")
+                             if "gpu" not in p.name) for lesson in LESSON_PACKAGES}
 
 pytestmark = pytest.mark.course
 
@@ -209,3 +219,25 @@ def test_the_readme_counts_the_lessons_it_has():
     count = len(list(lq.ROOT.glob("l[0-9]*_*/__init__.py")))
     first = (lq.ROOT / "README.md").read_text().split("\n\n")[1]
     assert f"{words[count]} working lessons" in " ".join(first.split()), first[:300]
+
+
+@pytest.fixture(scope="module")
+def collected_points(tmp_path_factory) -> dict[str, float]:
+    """Points per lesson, as the graded tests of this repository carry them (pytest's own collection)."""
+    manifest = tmp_path_factory.mktemp("points") / "manifest.json"
+    subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--graded-only", "-p", "no:cacheprovider",
+                    "--manifest", str(manifest)], cwd=ROOT, capture_output=True, check=True, timeout=300)
+    points: dict[str, float] = {}
+    for test in json.loads(manifest.read_text()).values():
+        points[test["lesson"]] = points.get(test["lesson"], 0.0) + test["points"]
+    return points
+
+
+@pytest.mark.parametrize("lesson", sorted(LESSON_FILES))
+def test_the_points_a_lesson_states_are_the_points_its_tests_carry(lesson, collected_points):
+    text = (ROOT / "lessons" / LESSON_FILES[lesson]).read_text()
+    stated = re.search(r"\*\*Points\.\*\* This lesson's graded tests carry (\d+) points: (\d+) in `make check-",
+                       text.replace("\n", " "))
+    assert stated, f"{LESSON_FILES[lesson]}: no '**Points.**' line after the What-you-write table"
+    total, check = int(stated[1]), int(stated[2])
+    assert total == collected_points[lesson] and check == total - 2, (lesson, total, collected_points[lesson])
