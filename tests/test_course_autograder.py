@@ -431,7 +431,9 @@ def test_symlinks_devices_and_oversized_files_in_the_upload_are_skipped_and_name
     (package / "passwords").symlink_to("/etc/shadow")
     (package / "blob.bin").write_bytes(b"\0" * (2 << 20))
     os.mkfifo(package / "pipe")
+    (package / "everything").symlink_to("/")  # a folder link: walking it would read the whole machine
     results = run_bundle(bundle, submission, tmp_path)
+    assert "skipped from the upload: l1_contiguous/everything (a symlink)" in results["output"]
     for name in ("zeros.py", "passwords", "pipe"):
         assert f"skipped from the upload: l1_contiguous/{name} (not a regular file)" in results["output"], name
     assert "skipped from the upload: l1_contiguous/blob.bin (2097152 bytes" in results["output"]

@@ -156,9 +156,7 @@ def flags_of(found: dict[str, Path], handout: Path) -> list[str]:
     often than the handout's own file, something only code working against the grader needs."""
     flags = []
     for package, folder in found.items():
-        for path in sorted(p for p in folder.rglob("*.py") if p.is_file() and not p.is_symlink()):
-            if path.stat().st_size > MAX_UPLOAD_FILE:
-                continue
+        for path in sorted(python_files(folder)):
             rel = path.relative_to(folder)
             code = code_of(path.read_text(encoding="utf-8", errors="replace"))
             original = handout / package / rel
@@ -170,6 +168,19 @@ def flags_of(found: dict[str, Path], handout: Path) -> list[str]:
             if used:
                 flags.append(f"{package}/{rel}: {', '.join(used)}")
     return flags
+
+
+def python_files(folder: Path) -> list[Path]:
+    """The upload's .py files that copy_package takes: regular files, never through a symlink."""
+    out = []
+    for here, subfolders, files in os.walk(folder):  # never descends into a symlinked folder
+        subfolders[:] = [d for d in subfolders if not Path(here, d).is_symlink()]
+        for name in files:
+            path = Path(here, name)
+            info = path.lstat()
+            if name.endswith(".py") and stat.S_ISREG(info.st_mode) and info.st_size <= MAX_UPLOAD_FILE:
+                out.append(path)
+    return out
 
 
 def plant_canaries(tests_dir: Path, lesson: str) -> list[str]:
