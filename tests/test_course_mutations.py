@@ -36,6 +36,7 @@ class Mutation:
     tests: tuple[str, ...]  # pytest arguments selecting the tests that carry the function's points
     too_weak: str = ""  # a known gap (issue 37), measured: the test is expected to fail until fixed
     also_killed_by: str = ""  # another mutation that the same test kills: this one runs only with --run-slow
+    slow: bool = False  # verified, but run only with --run-slow to keep make test within its budget
 
 
 MUTATIONS = [
@@ -191,6 +192,71 @@ MUTATIONS = [
         "",
         ("tests/test_l11_stops.py",),
     ),
+    # Our own: one more plausible bug for each function that had none (issue 37), each verified to
+    # fail and lose at least half its function's points; they run with --run-slow (make test's budget).
+    Mutation(
+        "L1 apply_rotary rotates the halves without the minus sign",
+        "l1_contiguous/model.py",
+        "    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)\n",
+        "    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)\n",
+        ("tests/test_l1_model.py", "-k", "rotary"), slow=True,
+    ),
+    Mutation(
+        "L1 kv_step returns the whole cache, empty rows included",
+        "l1_contiguous/model.py",
+        "        return cache.k[self.layer_idx][:end], cache.v[self.layer_idx][:end]\n",
+        "        return cache.k[self.layer_idx], cache.v[self.layer_idx]\n",
+        ("tests/test_l1_model.py", "-k", "cache"), slow=True,
+    ),
+    Mutation(
+        "L2 reserve allocates a block too many at a block boundary",
+        "l2_paged/request.py",
+        "    missing = blocks_needed(target_len, alloc.block_size) - len(req.blocks)\n",
+        "    missing = target_len // alloc.block_size + 1 - len(req.blocks)\n",
+        ("tests/test_l2_allocator.py", "-k", "reserve"), slow=True,
+    ),
+    Mutation(
+        "L2 ragged_causal_mask lets a query see its own request's future",
+        "l2_paged/meta.py",
+        "    return same_request & (k_pos[None, :] <= q_pos[:, None])\n",
+        "    return same_request\n",
+        ("tests/test_l2_allocator.py", "-k", "mask"), slow=True,
+    ),
+    Mutation(
+        "L3 build_block_tables pads with -1, an id outside the pool",
+        "l3_block_kernel/block_table.py",
+        "    rows = [r.blocks + [0] * (width - len(r.blocks)) for r in reqs]\n",
+        "    rows = [r.blocks + [-1] * (width - len(r.blocks)) for r in reqs]\n",
+        ("tests/test_l3_model.py", "-k", "tables"), slow=True,
+    ),
+    Mutation(
+        "L5 swap_in restores the blocks but leaves the request swapped",
+        "l5_eviction/preempt.py",
+        "        req.swapped = None\n        req.state = State.RUNNING\n",
+        "        req.swapped = None\n",
+        ("tests/test_l5_engine.py", "-k", "swap_out"), slow=True,
+    ),
+    Mutation(
+        "L8 block_key ignores the parent's key",
+        "l8_prefix/block_hash.py",
+        "    h.update(parent or b\"\")\n",
+        "",
+        ("tests/test_l8_blocks.py", "-k", "key"), slow=True,
+    ),
+    Mutation(
+        "L8 copy_on_write copies the block but keeps the shared one's slots",
+        "l8_prefix/cow.py",
+        "    req.slot_indices[i * bs:(i + 1) * bs] = range(new * bs, (new + 1) * bs)\n",
+        "",
+        ("tests/test_l8_engine.py", "-k", "copy_on_write"), slow=True,
+    ),
+    Mutation(
+        "L10 rewind frees the blocks but leaves their slots in the request",
+        "l10_speculative/rewind.py",
+        "    del req.slot_indices[keep * alloc.block_size:]\n",
+        "",
+        ("tests/test_l10_acceptance.py", "-k", "rewind"), slow=True,
+    ),
 ]
 
 
@@ -215,7 +281,7 @@ def _param(m: Mutation):
     """A known gap runs only with --run-slow (it proves nothing new each run, and each mutation
     costs a copy and a pytest of its own); the bugs the tests must kill run in every `make test`."""
     marks = ([pytest.mark.xfail(strict=True, reason=f"issue 37, a test too weak: {m.too_weak}"), pytest.mark.slow]
-             if m.too_weak else [pytest.mark.slow] if m.also_killed_by else [])
+             if m.too_weak else [pytest.mark.slow] if m.also_killed_by or m.slow else [])
     return pytest.param(m, id=m.name, marks=marks)
 
 

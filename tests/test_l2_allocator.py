@@ -170,7 +170,7 @@ def test_random_alloc_free_sequences_keep_every_invariant(allocator_cls, num_blo
 # ---------------------------------------------------------------- reserve
 
 @pytest.mark.points(2)
-@pytest.mark.parametrize("length,blocks", [(15, 1), (16, 1), (17, 2), (32, 2), (33, 3)])
+@pytest.mark.parametrize("length,blocks", [(15, 1), (16, 1), (17, 2), (32, 2), (33, 3), (48, 3), (64, 4)])
 def test_reserve_at_block_boundaries(length, blocks):
     alloc = BlockAllocator(8, 16)
     alloc.alloc_blocks(3)  # blocks 0..2 taken elsewhere, so the request's ids are not 0, 1, 2
