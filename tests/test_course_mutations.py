@@ -257,6 +257,66 @@ MUTATIONS = [
         "",
         ("tests/test_l10_acceptance.py", "-k", "rewind"), slow=True,
     ),
+    Mutation(
+        "L1 attend leaves the causal mask out",
+        "l1_contiguous/model.py",
+        "        attn_mask=mask, enable_gqa=True)",
+        "        enable_gqa=True)",
+        ("tests/test_l1_model.py", "-k", "attend"), slow=True,
+    ),
+    Mutation(
+        "L2 kv_step gathers the pool before writing this step's K/V",
+        "l2_paged/attention.py",
+        "        pool.set_kv(self.layer_idx, meta.slot_mapping, k, v)\n"
+        "        return pool.K[self.layer_idx][meta.kv_indices], pool.V[self.layer_idx][meta.kv_indices]\n",
+        "        out = pool.K[self.layer_idx][meta.kv_indices], pool.V[self.layer_idx][meta.kv_indices]\n"
+        "        pool.set_kv(self.layer_idx, meta.slot_mapping, k, v)\n        return out\n",
+        ("tests/test_l2_paged.py",), slow=True,
+    ),
+    Mutation(
+        "L3 kv_step hands back the K blocks as V",
+        "l3_block_kernel/attention.py",
+        "        return pool.k_blocks[self.layer_idx], pool.v_blocks[self.layer_idx]",
+        "        return pool.k_blocks[self.layer_idx], pool.k_blocks[self.layer_idx]",
+        ("tests/test_l3_model.py",), slow=True,
+    ),
+    Mutation(
+        "L5 MixedBatchAttention puts the prefill rows before the decode rows",
+        "l5_eviction/mixed.py",
+        "        out = torch.cat([self._attend_part(q[:d], k[:d], v[:d], pool, meta.decode),\n"
+        "                         self._attend_part(q[d:], k[d:], v[d:], pool, meta.prefill)])\n",
+        "        out = torch.cat([self._attend_part(q[d:], k[d:], v[d:], pool, meta.prefill),\n"
+        "                         self._attend_part(q[:d], k[:d], v[:d], pool, meta.decode)])\n",
+        ("tests/test_l5_mixed.py",), slow=True,
+    ),
+    Mutation(
+        "L8 _attach_cached_prefix may hit the block of the prompt's last token",
+        "l8_prefix/engine.py",
+        "        keys = chain_keys(req.tokens[:-1], bs)  # never the last token's block: it must be computed\n",
+        "        keys = chain_keys(req.tokens, bs)\n",
+        ("tests/test_l8_engine.py",), slow=True,
+    ),
+    Mutation(
+        "L8 _prefix_in_flight looks only at the prompt's first block",
+        "l8_prefix/engine.py",
+        "        return cached < len(keys) and keys[cached] in in_flight\n",
+        "        return cached < len(keys) and keys[0] in in_flight\n",
+        ("tests/test_l8_burst.py",), slow=True,
+    ),
+    Mutation(
+        "L10 propose_ngram takes the oldest match, not the most recent",
+        "l10_speculative/drafters.py",
+        "        for start in range(len(tokens) - n - 1, -1, -1):  # most recent first\n",
+        "        for start in range(len(tokens) - n):\n",
+        ("tests/test_l10_acceptance.py", "-k", "ngram"), slow=True,
+    ),
+    Mutation(
+        "L10 accept_greedy drops the target's own token after the accepted run",
+        "l10_speculative/acceptance.py",
+        "    return draft[:j] + [target_ids[j]]\n",
+        "    return draft[:j]\n",
+        ("tests/test_l10_acceptance.py", "-k", "greedy"), slow=True,
+    ),
 ]
 
 
