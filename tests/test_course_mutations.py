@@ -295,6 +295,7 @@ MUTATIONS = [
         "        keys = chain_keys(req.tokens[:-1], bs)  # never the last token's block: it must be computed\n",
         "        keys = chain_keys(req.tokens, bs)\n",
         ("tests/test_l8_engine.py",), slow=True,
+        too_weak="keeps 35 of 42: two tests fail; the file's points are mostly copy-on-write's and forks'",
     ),
     Mutation(
         "L8 _prefix_in_flight looks only at the prompt's first block",
@@ -302,6 +303,7 @@ MUTATIONS = [
         "        return cached < len(keys) and keys[cached] in in_flight\n",
         "        return cached < len(keys) and keys[0] in in_flight\n",
         ("tests/test_l8_burst.py",), slow=True,
+        too_weak="keeps 21 of 23: one test fails",
     ),
     Mutation(
         "L10 propose_ngram takes the oldest match, not the most recent",
