@@ -120,6 +120,8 @@ class ServeEngine(PrefixEngine):
 
     def _commit(self, plan, tokens) -> None:
         super()._commit(plan, tokens)
+        if not self._raw_rows:  # nobody asked for logprobs this step
+            return
         for req in self.requests.values():
             if req.logprobs is not None and len(req.token_logprobs) < len(req.output_ids):
                 row = self._raw_rows.get(req.request_id, self._raw_rows.get(req.group))

@@ -151,12 +151,14 @@ def code_of(text: str) -> str:
     return " ".join(kept)
 
 
-def flags_of(found: dict[str, Path], handout: Path) -> list[str]:
-    """`file: what it uses` for each submitted file that differs from the handout's and uses, more
-    often than the handout's own file, something only code working against the grader needs."""
+def flags_of(packages: list[str], copy: Path, handout: Path) -> list[str]:
+    """`file: what it uses` for each submitted file (as copied: regular files only) that differs from
+    the handout's and uses, more often than the handout's own file, something only code working
+    against the grader needs."""
     flags = []
-    for package, folder in found.items():
-        for path in sorted(python_files(folder)):
+    for package in packages:
+        folder = copy / package
+        for path in sorted(folder.rglob("*.py")):
             rel = path.relative_to(folder)
             code = code_of(path.read_text(encoding="utf-8", errors="replace"))
             original = handout / package / rel
@@ -168,19 +170,6 @@ def flags_of(found: dict[str, Path], handout: Path) -> list[str]:
             if used:
                 flags.append(f"{package}/{rel}: {', '.join(used)}")
     return flags
-
-
-def python_files(folder: Path) -> list[Path]:
-    """The upload's .py files that copy_package takes: regular files, never through a symlink."""
-    out = []
-    for here, subfolders, files in os.walk(folder):  # never descends into a symlinked folder
-        subfolders[:] = [d for d in subfolders if not Path(here, d).is_symlink()]
-        for name in files:
-            path = Path(here, name)
-            info = path.lstat()
-            if name.endswith(".py") and stat.S_ISREG(info.st_mode) and info.st_size <= MAX_UPLOAD_FILE:
-                out.append(path)
-    return out
 
 
 def plant_canaries(tests_dir: Path, lesson: str) -> list[str]:
@@ -545,7 +534,7 @@ def main() -> int:
     notes += [f"not found in the submission: {p} (the handout's stub is graded in its place)" for p in missing]
     notes += [f"skipped from the upload: {s}" for s in skipped]
     print("\n".join(notes))
-    flags = flags_of(found, source)
+    flags = flags_of(list(found), copy, source)
     for flag in flags:
         print(f"FLAG for the instructor: {flag}")
     if user is None:
@@ -555,15 +544,20 @@ def main() -> int:
 
     parts = split_parts(manifest, select)
     deadline = time.monotonic() + time_limit
-    for part in parts:
-        if part.name == "hidden tests":
-            for file in part.files:
-                shutil.copy(hidden_store / Path(file).name, copy / file)
-                os.chmod(copy / file, 0o644)
-        remaining = max(1.0, deadline - time.monotonic())
-        run_part(part, copy, work, manifest, python, user, remaining, test_timeout, memory_mb)
-        print(f"== {part.name}: {len(part.files)} files, {part.seconds:.0f} s, pytest exit status {part.status}")
-        print(part.log if part.name != "hidden tests" else "(the hidden tests' output is not shown)")
+    source_mode = source.stat().st_mode & 0o777
+    os.chmod(source, 0o700)  # the bundle itself (manifest, hidden tests) out of the worker's reach
+    try:
+        for part in parts:
+            if part.name == "hidden tests":
+                for file in part.files:
+                    shutil.copy(hidden_store / Path(file).name, copy / file)
+                    os.chmod(copy / file, 0o644)
+            remaining = max(1.0, deadline - time.monotonic())
+            run_part(part, copy, work, manifest, python, user, remaining, test_timeout, memory_mb)
+            print(f"== {part.name}: {len(part.files)} files, {part.seconds:.0f} s, pytest exit status {part.status}")
+            print(part.log if part.name != "hidden tests" else "(the hidden tests' output is not shown)")
+    finally:
+        os.chmod(source, source_mode)
 
     rows = grade(manifest, select, parts)
     output = "\n".join(notes)
