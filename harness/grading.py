@@ -83,7 +83,7 @@ def pytest_collection_finish(session):
     if path:
         tests = {item.nodeid: {"points": _points_of(item), "lesson": _lesson_of(item),
                                "hidden": _is_hidden(item), "slow": "slow" in item.keywords,
-                               "notebook": "notebook" in item.keywords}
+                               "notebook": "notebook" in item.keywords, "keywords": _keywords_of(item)}
                  for item in session.items}
         Path(path).write_text(json.dumps(tests, indent=1))
 
@@ -149,6 +149,15 @@ def pytest_runtest_logreport(report):
 
 def _lesson_of(item) -> str:
     return next((name for name in LESSONS if item.get_closest_marker(name)), "other")
+
+
+def _keywords_of(item) -> list[str]:
+    """The names `-k` matches against, as pytest gathers them: the item's and its parents' names
+    (not the session's or the root folder's) and its markers' (the lessons' points tables are checked
+    by evaluating their `-k` selections on these)."""
+    names = {node.name for node in item.listchain() if not isinstance(node, pytest.Session)
+             and not (isinstance(node, pytest.Directory) and isinstance(node.parent, pytest.Session))}
+    return sorted(names | {mark.name for mark in item.iter_markers()} | set(item.listextrakeywords()))
 
 
 def _points_of(item) -> float:

@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.l3]
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 GQA_GROUPS = (1, 2, 4, 8)
 MIXED_LENS = (17, 1, 1000, 16, 15)  # one past a block, one token, long, exactly a block, one short
+PAST_END = "past-end"  # make_case's pad: the pool's size, the first id outside it
 needs_compiler = pytest.mark.skipif(host_compiler() is None,
                                     reason="backends 'emulated' and 'cpu' need a C++ compiler (g++ or clang++, or set CXX)")
 
@@ -38,7 +39,8 @@ def make_case(lens, block_size, num_kv_heads=2, group=2, head_dim=64, dtype=torc
               device="cpu", fill=None, pad=-1, seed=0):
     """Random q and pool; each sequence owns ceil(len / block_size) shuffled blocks.
 
-    Tables are padded with `pad` (at least one pad column). fill: None leaves the unused slots
+    Tables are padded with `pad` (at least one pad column; PAST_END: the first id outside the
+    pool, which a read would fail on). fill: None leaves the unused slots
     random; a value (nan, inf) fills them, so that only the valid slots hold numbers.
     Returns q, k_cache, v_cache, block_tables, context_lens.
     """
@@ -46,7 +48,7 @@ def make_case(lens, block_size, num_kv_heads=2, group=2, head_dim=64, dtype=torc
     counts = [-(-n // block_size) for n in lens]
     num_blocks = sum(counts) + 3  # three blocks that no sequence owns
     ids = torch.randperm(num_blocks, generator=gen)
-    tables = torch.full((len(lens), max(counts) + 1), pad, dtype=torch.int32)
+    tables = torch.full((len(lens), max(counts) + 1), num_blocks if pad == PAST_END else pad, dtype=torch.int32)
     start = 0
     for s, count in enumerate(counts):
         tables[s, :count] = ids[start:start + count]
@@ -116,8 +118,9 @@ def test_reference_long_context(block_size):
     torch.testing.assert_close(paged_attention_reference(*case), naive_attention(*case), rtol=1e-10, atol=1e-12)
 
 
+# Padding ids outside the pool: a reader that looks them up fails (-1 would quietly read the last block).
 @pytest.mark.points(2)
-@pytest.mark.parametrize("pad", [-1, 2**31 - 1])
+@pytest.mark.parametrize("pad", [PAST_END, 2**31 - 1])
 def test_padding_entries_are_never_read(pad):
     case = make_case([15, 16, 33], 16, pad=pad)
     torch.testing.assert_close(paged_attention(*case).double(), naive_attention(*case), rtol=1e-4, atol=1e-5)
@@ -147,7 +150,7 @@ def test_gather_backend_matches_naive(block_size, group):
 
 
 @pytest.mark.points(2)
-@pytest.mark.parametrize("pad", [-1, 2**31 - 1])
+@pytest.mark.parametrize("pad", [PAST_END, 2**31 - 1])
 @pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")])
 def test_gather_backend_ignores_unused_slots_and_padding(fill, pad):
     case = make_case(MIXED_LENS, 16, group=4, fill=fill, pad=pad)

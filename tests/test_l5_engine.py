@@ -238,6 +238,9 @@ def test_swap_out_copies_only_the_blocks_holding_kv_and_swap_in_restores_them():
     preemptor = Preemptor(pool, alloc, "swap")
     preemptor.swap_out(victim)
     assert victim.state is State.SWAPPED and victim.blocks == [] and victim.cur_len == 5
+    moved = 2 * bytes_per_block(TINY_CFG, BLOCK_SIZE, torch.float32)
+    c = preemptor.counters
+    assert (c.preempted_swap, c.bytes_swapped_out, c.bytes_swapped_in, c.tokens_recomputed) == (1, moved, 0, 0)
     assert alloc.num_free == 5, "all three blocks go back, the one reserved past cur_len included"
     for layer in range(TINY_CFG.num_hidden_layers):
         k, v = victim.swapped.k[layer], victim.swapped.v[layer]
@@ -249,9 +252,26 @@ def test_swap_out_copies_only_the_blocks_holding_kv_and_swap_in_restores_them():
         pool.v_blocks[layer].fill_(99.0)
     preemptor.swap_in(victim)
     assert victim.state is State.RUNNING and victim.swapped is None and len(victim.blocks) == 2
+    assert (c.preempted_swap, c.bytes_swapped_out, c.bytes_swapped_in) == (1, moved, moved)
     for layer in range(TINY_CFG.num_hidden_layers):
         for new, old in zip(victim.blocks, held):
             assert bool((pool.k_blocks[layer][new] == old).all()) and bool((pool.v_blocks[layer][new] == -old).all())
+
+
+# drop_for_recompute's own contract (L5 §2.6), checked on the request, the allocator and the counters.
+@pytest.mark.points(3)
+def test_drop_for_recompute_returns_every_block_and_sends_the_request_back_to_waiting():
+    alloc = BlockAllocator(6, BLOCK_SIZE)
+    pool = BlockKvPool(TINY_CFG, 6, BLOCK_SIZE, torch.float32)
+    victim = decoding_request(0, 6, 2)  # cur_len 7 in blocks of 4: 2 blocks, and a third reserved
+    reserve(victim, alloc, 12)
+    preemptor = Preemptor(pool, alloc, "recompute")
+    preemptor.drop_for_recompute(victim)
+    assert victim.state is State.WAITING and victim.blocks == [] and victim.slot_indices == []
+    assert victim.cur_len == 0 and victim.output_ids == [1, 1] and victim.num_preemptions == 0
+    assert alloc.num_free == 6 and victim.swapped is None
+    c = preemptor.counters
+    assert (c.preempted_recompute, c.tokens_recomputed, c.preempted_swap, c.bytes_swapped_out) == (1, 7, 0, 0)
 
 
 @pytest.mark.points(2)

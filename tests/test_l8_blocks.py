@@ -31,6 +31,8 @@ def test_same_tokens_after_another_prefix_or_at_another_position_get_another_key
     assert x_first != x_second  # the same four tokens at positions 0..3 and 4..7
     assert chain_keys(p1 + [9, 9, 9, 9], 4)[0] == k1[0]  # a shared first block does match
     assert block_key(None, X) == block_key(b"", X) != block_key(k1[0], X)
+    assert block_key(None, [1, 2, 3, 4]) != block_key(None, [257, 2, 3, 4])  # every bit of an id counts
+    assert block_key(None, [70_000, 2, 3, 4]) != block_key(None, [70_000 + 2**32, 2, 3, 4])
 
 
 @pytest.mark.points(1)
@@ -114,6 +116,9 @@ def test_cached_blocks_are_evicted_least_recently_used_first_and_tail_first():
     alloc.free(a)  # A finishes first ...
     alloc.free(b)  # ... then B
     assert len(alloc.free_blocks) == 2 and len(alloc.cached_free) == 6
+    with pytest.raises(OutOfBlocksError):  # more than free + cached: refused before evicting anything
+        alloc.alloc_blocks(9)
+    assert len(alloc.cached_free) == 6 and alloc.evicted_cached == 0
     new = alloc.alloc_blocks(3)  # 2 plain free blocks, then 1 eviction: A's, and A's last block
     assert a[2] in new and alloc.evicted_cached == 1
     assert alloc.lookup(chain_keys(tokens_a, 4)) == a[:2]  # A's head still hits
@@ -147,7 +152,7 @@ def test_shared_blocks_need_every_reference_dropped():
     alloc.free(a)
     assert [alloc.ref_count[b] for b in a] == [1, 1] and not alloc.cached_free
     alloc.free(a)
-    assert [alloc.ref_count[b] for b in a] == [0, 0] and len(alloc.cached_free) == 2
+    assert [alloc.ref_count[b] for b in a] == [0, 0] and list(alloc.cached_free) == a[::-1]  # tail first
     alloc.check()
 
 

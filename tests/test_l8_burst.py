@@ -16,8 +16,8 @@ from harness import hf_reference as hf
 from helpers import budget
 from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, load_engine_model
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
-from l8_prefix.engine import pending_keys
-from test_l8_engine import PREFIX, VOCAB, by_sample, check_all_released, check_invariants, guard_writes, tail
+from l8_prefix.engine import PrefixRequest, pending_keys
+from test_l8_engine import PREFIX, VOCAB, by_sample, check_all_released, check_invariants, guard_writes, run_checked, tail
 from test_l8_engine import hf_ref, model  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.l8, pytest.mark.usefixtures("one_torch_thread")]
@@ -119,6 +119,25 @@ def test_requests_arriving_together_compute_their_common_blocks_once(model, hf_r
     assert on == off
     for (prompt, _), ids in on.items():
         assert ids == hf_ref(prompt, 5)
+
+
+# _prefix_in_flight's contract (§2.10) called directly: most of its points.
+@pytest.mark.points(4)
+def test_prefix_in_flight_asks_only_about_the_first_block_that_is_not_cached(model):
+    engine = make(model)
+    prompt = P + tail(6)
+    run_checked(engine, [WorkItem(prompt[:13], 2)])  # caches the prompt's first 3 blocks
+    keys, alloc = chain_keys(prompt[:-1], 4), engine.alloc
+    assert len(alloc.lookup(keys)) == 3 and len(keys) > 5
+    last_block = chain_keys(prompt[:16], 4)[3]  # holds the last token of prompt[:16]: never a hit
+    cases = [(prompt, {keys[3]}, True), (prompt, {keys[3], keys[5]}, True), (prompt, {keys[4], keys[5]}, False),
+             (prompt, {keys[0], keys[1]}, False), (prompt, set(), False), (prompt[:13], {keys[3]}, False),
+             (prompt[:16], {last_block}, False), (prompt[:3], {keys[0]}, False)]
+    for rid, (tokens, in_flight, expected) in enumerate(cases, start=100):
+        refs = list(alloc.ref_count)
+        req = PrefixRequest(list(tokens), 3, request_id=rid)
+        assert engine.scheduler._prefix_in_flight(req, set(in_flight)) is expected, (len(tokens), rid)
+        assert list(alloc.ref_count) == refs and req.blocks == [] and req.cur_len == 0
 
 
 @pytest.mark.points(2)

@@ -14,6 +14,7 @@ from helpers import random_prompt
 from l2_paged import blocks_needed
 from l5_eviction import State, WorkItem, load_engine_model
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
+from l8_prefix.engine import PrefixRequest
 
 pytestmark = [pytest.mark.l8, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -135,6 +136,29 @@ def record_plans(engine) -> list[list]:
 
 
 # ---------------------------------------------------------------- what a hit reuses
+
+# _attach_cached_prefix's contract (§2.3) called directly on a warm cache: most of its points.
+@pytest.mark.points(9)
+def test_attach_cached_prefix_takes_the_longest_cached_run_but_never_the_last_tokens_block(model):
+    engine = make(model)
+    prompt = PREFIX + tail(6)  # 28 tokens: 7 full blocks, all cached once it has run
+    run_checked(engine, [WorkItem(prompt, 2)])
+    alloc, keys = engine.alloc, chain_keys(prompt, BS)
+    cached = alloc.lookup(keys)
+    assert len(cached) == 7
+    other = prompt[:9] + [(prompt[9] + 1) % VOCAB] + prompt[10:]  # differs in block 2
+    cases = [(prompt, 6), (prompt[:26], 6), (prompt[:24], 5), (prompt[:5], 1), (prompt[:4], 0),
+             (other, 2), ([(prompt[0] + 1) % VOCAB] + prompt[1:], 0)]
+    for rid, (tokens, hits) in enumerate(cases, start=100):
+        req = PrefixRequest(list(tokens), 3, request_id=rid)
+        refs = [alloc.ref_count[b] for b in cached]
+        assert engine.scheduler._attach_cached_prefix(req) == req.cur_len == hits * BS, (len(tokens), hits)
+        assert req.blocks == cached[:hits] and req.block_keys == keys[:hits]
+        assert req.slot_indices == [b * BS + i for b in cached[:hits] for i in range(BS)]
+        assert [alloc.ref_count[b] for b in cached] == [r + (i < hits) for i, r in enumerate(refs)]
+        alloc.free(req.blocks)
+    alloc.check()
+
 
 @pytest.mark.points(3)
 def test_a_prefix_that_ends_mid_block_reuses_only_its_full_blocks(model, hf_ref):

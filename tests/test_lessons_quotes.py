@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -222,15 +223,53 @@ def test_the_readme_counts_the_lessons_it_has():
 
 
 @pytest.fixture(scope="module")
-def collected_points(tmp_path_factory) -> dict[str, float]:
-    """Points per lesson, as the graded tests of this repository carry them (pytest's own collection)."""
+def graded_manifest(tmp_path_factory) -> dict[str, dict]:
+    """The graded tests of this repository with their points and `-k` names (pytest's own collection)."""
     manifest = tmp_path_factory.mktemp("points") / "manifest.json"
     subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--graded-only", "-p", "no:cacheprovider",
                     "--manifest", str(manifest)], cwd=ROOT, capture_output=True, check=True, timeout=300)
+    return json.loads(manifest.read_text())
+
+
+@pytest.fixture(scope="module")
+def collected_points(graded_manifest) -> dict[str, float]:
+    """Points per lesson."""
     points: dict[str, float] = {}
-    for test in json.loads(manifest.read_text()).values():
+    for test in graded_manifest.values():
         points[test["lesson"]] = points.get(test["lesson"], 0.0) + test["points"]
     return points
+
+
+def points_of_selection(manifest: dict[str, dict], command: str) -> float:
+    """The points `pytest FILES [-k EXPR] --graded-only` would run, from the manifest: -k is evaluated
+    by pytest's own expression parser on the names pytest matches (harness.grading._keywords_of)."""
+    from _pytest.mark import KeywordMatcher  # pytest's -k machinery (private, but the same code path)
+    from _pytest.mark.expression import Expression
+    args = shlex.split(command)
+    assert args[0] == "pytest", command
+    expr = args[args.index("-k") + 1] if "-k" in args else None
+    files = [a for a in args[1:] if a.endswith(".py")]
+    selected = Expression.compile(expr) if expr else None
+    return sum(test["points"] for nodeid, test in manifest.items()
+               if nodeid.split("::")[0] in files
+               and (selected is None or selected.evaluate(KeywordMatcher(frozenset(test["keywords"])))))
+
+
+@pytest.mark.parametrize("lesson", sorted(LESSON_FILES))
+def test_the_points_of_each_function_are_the_points_its_tests_carry(lesson, graded_manifest):
+    """The What-you-write table's last column: the points of the row's pytest command(s), and for
+    L5 the whole path's share, as the paragraph below the table names that command."""
+    text = (ROOT / "lessons" / LESSON_FILES[lesson]).read_text()
+    rows = re.findall(r"^\| `[^|]+` \| `[^|]+` \| [^|]+ \| (.+) \| (.+) \|$", text, re.M)
+    assert rows, f"{LESSON_FILES[lesson]}: no What-you-write table with a points column"
+    whole = re.search(r"\(`(pytest [^`]+)`\): their points are earned by", " ".join(text.split()))
+    for graded_by, cell in rows:
+        commands = [" ".join(c.split()) for c in re.findall(r"`(pytest [^`]+)`", graded_by)]
+        stated = re.fullmatch(r"(\d+)(?: \(\+ the whole path's (\d+), shared\))?", cell)
+        assert commands and stated, (graded_by, cell)
+        assert int(stated[1]) == sum(points_of_selection(graded_manifest, c) for c in commands), (graded_by, cell)
+        if stated[2]:
+            assert whole and int(stated[2]) == points_of_selection(graded_manifest, whole[1]), (graded_by, cell)
 
 
 @pytest.mark.parametrize("lesson", sorted(LESSON_FILES))
