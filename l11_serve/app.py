@@ -54,6 +54,9 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)  # a TokenLogprob per id kept, when asked
+    prompt_ids: list[int] | None = None  # echo: the prompt, sent back before the completion
+    prompt_logprobs: list | None = None  # echo with logprobs: one per prompt token (None for the first)
+    sends_tokens: bool = True  # False: echo with max_tokens 0 (the engine's one token is not sent)
 
 
 POOL_VIEW_WAIT_S = 1.0  # /pool waits this long for the engine thread's block view (between two steps)
@@ -175,8 +178,9 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
                 loop.abort(stream)
             raise
         # Prompt k's samples are choices k*n .. k*n + n-1 (OpenAI's numbering for a batch).
-        groups = [[Choice(StopMatcher(tokenizer, params.stop)) if tokenizer else Choice(None)
-                   for _ in range(params.n)] for _ in streams]
+        groups = [[Choice(StopMatcher(tokenizer, params.stop) if tokenizer else None,
+                          prompt_ids=prompt if params.echo else None, sends_tokens=params.max_tokens > 0)
+                   for _ in range(params.n)] for prompt in params.prompts]
         choices = [c for group in groups for c in group]
         steps = _merged([_choice_steps(loop, stream, group, waiting) for stream, group in zip(streams, groups)],
                         params.n)
@@ -279,8 +283,13 @@ async def _choice_steps(loop: EngineLoop, stream: Stream, choices: list[Choice],
                 c = choices[u.index]
                 if c.finish_reason is not None:
                     continue  # a stop string ended it already; this is the engine's abort coming back
-                text = c.matcher.feed(u.token_ids) if c.matcher else ""
-                kept = c.matcher.num_tokens - len(c.token_ids) if c.matcher else len(u.token_ids)
+                if u.prompt_logprobs is not None:
+                    c.prompt_logprobs = u.prompt_logprobs
+                if not c.sends_tokens:
+                    text, kept = "", 0
+                else:
+                    text = c.matcher.feed(u.token_ids) if c.matcher else ""
+                    kept = c.matcher.num_tokens - len(c.token_ids) if c.matcher else len(u.token_ids)
                 c.token_ids += u.token_ids[:kept]
                 c.logprobs += u.logprobs[:kept]
                 if c.matcher and c.matcher.stopped:
@@ -288,7 +297,7 @@ async def _choice_steps(loop: EngineLoop, stream: Stream, choices: list[Choice],
                     loop.abort(stream, u.index)
                 elif u.finish_reason:
                     c.finish_reason = FINISH.get(u.finish_reason, u.finish_reason)  # an engine error reason as is
-                    text += c.matcher.flush() if c.matcher else ""
+                    text += c.matcher.flush() if c.matcher and c.sends_tokens else ""
                 out.append((u.index, text, u.token_ids[:kept], c.finish_reason, u.logprobs[:kept]))
             if out:
                 yield out
@@ -370,10 +379,10 @@ class Shape:
         """OpenAI's logprobs object for these tokens: completions' four parallel lists (text_offset
         counts characters of the tokens' own texts from `offset`), chat's `content` list."""
         texts = [token_text(tokenizer, t) for t in ids]
-        if not self.chat:
+        if not self.chat:  # an entry of None: the prompt's first token (echo), which nothing predicts
             offsets = [offset + sum(map(len, texts[:j])) for j in range(len(texts))]
-            return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-                    "top_logprobs": [{token_text(tokenizer, t): v for t, v in e.top} for e in entries],
+            return {"tokens": texts, "token_logprobs": [e and e.logprob for e in entries],
+                    "top_logprobs": [e and {token_text(tokenizer, t): v for t, v in e.top} for e in entries],
                     "text_offset": offsets}
 
         def entry(text: str, logprob: float) -> dict:
@@ -407,6 +416,11 @@ async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice
             for i, text, ids, finish, entries in out:
                 if i not in started and shape.opening(i) is not None:
                     yield f"data: {json.dumps({**head, 'choices': [shape.opening(i)]})}\n\n"
+                if i not in started and params.echo:  # the prompt first, in a chunk of its own
+                    echo_text, echo_entries, echo_ids = _echoed(choices[i], tokenizer)
+                    logprobs = shape.logprobs(echo_entries, echo_ids, tokenizer) if params.logprobs is not None else None
+                    offsets[i] = sum(len(token_text(tokenizer, t)) for t in echo_ids)
+                    yield f"data: {json.dumps({**head, 'choices': [shape.streamed(i, echo_text, [], None, logprobs)]})}\n\n"
                 started.add(i)
                 logprobs = None
                 if params.logprobs is not None:
@@ -455,9 +469,21 @@ async def _whole(request: Request, steps, head: dict, params: CompletionParams, 
         return error(500, f"the server failed: {one_line(collecting.exception())}", "server_error")
     if any(c.finish_reason is None for c in choices):
         return error(499, "client closed the request", "client_closed")  # nobody reads it
-    body = {**head, "choices": [shape.whole(i, texts[i], c.token_ids, c.finish_reason,
-                                            shape.logprobs(c.logprobs, c.token_ids, tokenizer)
-                                            if params.logprobs is not None else None)
-                                for i, c in enumerate(choices)],
-            "usage": _usage(params, choices)}
+
+    def whole(i: int, c: Choice) -> dict:
+        echo_text, echo_entries, echo_ids = _echoed(c, tokenizer)
+        logprobs = (shape.logprobs(echo_entries + c.logprobs, echo_ids + c.token_ids, tokenizer)
+                    if params.logprobs is not None else None)
+        return shape.whole(i, echo_text + texts[i], c.token_ids, c.finish_reason, logprobs)
+
+    body = {**head, "choices": [whole(i, c) for i, c in enumerate(choices)], "usage": _usage(params, choices)}
     return JSONResponse(body)
+
+
+def _echoed(c: Choice, tokenizer) -> tuple[str, list, list[int]]:
+    """With echo, what goes before the completion: the prompt's text, its logprob entries (when
+    asked; None for the first token) and its ids. Without echo, nothing."""
+    if c.prompt_ids is None:
+        return "", [], []
+    text = tokenizer.decode(c.prompt_ids) if tokenizer is not None else ""
+    return text, list(c.prompt_logprobs or []), list(c.prompt_ids)

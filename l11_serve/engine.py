@@ -1,10 +1,13 @@
 """L8's engine made fit to run for days behind a server.
 
-Three small overrides, nothing about HTTP:
+Small overrides, nothing about HTTP:
   * request ids come from a counter and finished requests are forgotten (`forget_finished`),
     so the engine's dicts and its per-step history stay bounded however many requests it serves;
   * `top_p` (nucleus sampling): each row of logits is cut to its smallest set of tokens whose
     probability adds up to top_p before L8's `draw`; forks inherit their parent's top_p;
+  * per-token logprobs, and prompt logprobs (`echo`, for scoring): a request that wants the
+    log-probability of every prompt token needs the logits of every prompt position, so it takes
+    no prefix-cache hit (a hit skips exactly those positions) and its prefill returns all rows;
   * `pool_state()`: what every block holds right now, for the live page and the tests.
 """
 
@@ -18,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from l1_contiguous import InputError
-from l5_eviction import State, make_engine
-from l8_prefix import PrefixEngine, PrefixRequest, SampledWorkItem, is_greedy
+from l5_eviction import State, StepRunner, make_engine
+from l8_prefix import PrefixEngine, PrefixRequest, PrefixScheduler, SampledWorkItem, is_greedy
 
 
 @dataclass
@@ -31,10 +34,11 @@ class ServeItem(SampledWorkItem):
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time an id was generated
     repetition_penalty: float = 1.0  # vLLM's (CTRL's): ids of prompt or output, logit / r if > 0 else * r
     logprobs: int | None = None  # None: off; k: each new token's log-probability and the k most likely
+    prompt_logprobs: int | None = None  # None: off; k: the same for every prompt token after the first
 
 
 PER_REQUEST = ("top_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-               "logprobs")
+               "logprobs", "prompt_logprobs")
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default limit; OpenAI's chat allows 20)
 
 
@@ -58,10 +62,60 @@ class ServeRequest(PrefixRequest):
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output id, when asked
+    prompt_logprobs: int | None = None
+    # One per prompt position when asked; position 0 stays None (nothing comes before it).
+    prompt_token_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.prompt_logprobs is not None
+
+
+class ServeScheduler(PrefixScheduler):
+    """A request that scores its prompt computes every prompt position: no hit, no waiting for one."""
+
+    def _attach_cached_prefix(self, req) -> int:
+        return 0 if req.scores_prompt else super()._attach_cached_prefix(req)
+
+    def _prefix_in_flight(self, req, in_flight) -> bool:
+        return False if req.scores_prompt else super()._prefix_in_flight(req, in_flight)
+
+
+class ServeRunner(StepRunner):
+    """L5's runner that also returns every row of a prefill chunk whose request scores its prompt
+    (`forward_logits` still returns one row per request: the others go to the request)."""
+
+    def _scores_chunk(self, req) -> bool:  # some position of this chunk predicts a prompt token
+        return req.scores_prompt and req.cur_len < len(req.prompt_ids) - 1
+
+    def logits_rows(self, reqs, meta) -> torch.Tensor:
+        starts, ends = meta.cu_seqlens_q[:-1].tolist(), meta.cu_seqlens_q[1:].tolist()
+        rows = [i for req, start, end in zip(reqs, starts, ends)
+                for i in (range(start, end) if self._scores_chunk(req) else (end - 1,))]
+        return torch.tensor(rows, dtype=torch.int64, device=meta.cu_seqlens_q.device)
+
+    def forward_logits(self, reqs, num_new) -> torch.Tensor:
+        scoring = [self._scores_chunk(r) for r in reqs]
+        starts = [r.cur_len for r in reqs]
+        logits = super().forward_logits(reqs, num_new)
+        if not any(scoring):
+            return logits
+        last, at = [], 0
+        for req, start, n, scores in zip(reqs, starts, num_new, scoring):
+            rows = logits[at:at + n] if scores else logits[at:at + 1]
+            at += len(rows)
+            if scores:  # row j sits at position start + j and predicts the token after it
+                for j, row in enumerate(rows[:len(req.prompt_ids) - 1 - start]):
+                    position = start + j + 1
+                    req.prompt_token_logprobs[position] = token_logprob(row, req.prompt_ids[position],
+                                                                        req.prompt_logprobs)
+            last.append(rows[-1])
+        return torch.stack(last)
 
 
 class ServeEngine(PrefixEngine):
     request_cls = ServeRequest
+    scheduler_cls = ServeScheduler
 
     def __init__(self, *args, history: int = 256, **kwargs):
         super().__init__(*args, **kwargs)
@@ -69,12 +123,14 @@ class ServeEngine(PrefixEngine):
         # L5/L8 keep one record per step for the notebooks' plots; a server keeps the last few.
         self.timeline, self.metrics_timeline = deque(maxlen=history), deque(maxlen=history)
         self._raw_rows: dict[int, torch.Tensor] = {}  # this step's logits rows, for logprobs
+        self.runner = ServeRunner(self.model, self.pool, self.alloc, backend=self.runner.backend)
 
     def _check_item(self, item) -> None:
         super()._check_item(item)
-        k = getattr(item, "logprobs", None)
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
-            raise InputError(f"logprobs must be an int from 0 to {MAX_LOGPROBS} (alternatives per token), got {k!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(item, name, None)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise InputError(f"{name} must be an int from 0 to {MAX_LOGPROBS} (alternatives per token), got {k!r}")
         top_p = getattr(item, "top_p", 1.0)
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise InputError(f"top_p must be a number in (0, 1], got {top_p!r}")
@@ -94,12 +150,17 @@ class ServeEngine(PrefixEngine):
         req.request_id = req.group = next(self._ids)  # not len(self.requests): finished ones are dropped
         for name in PER_REQUEST:
             setattr(req, name, getattr(item, name, getattr(ServeRequest, name)))
+        if req.scores_prompt:
+            req.prompt_token_logprobs = [None] * len(req.prompt_ids)
         return req
 
     def _as_sample(self, req, first, k) -> None:
         super()._as_sample(req, first, k)
         for name in PER_REQUEST:
             setattr(req, name, getattr(first, name))
+        # A fork (sharing on) is born after its parent's prefill: the scores are there to copy.
+        # Without sharing each sample prefills, and scores, its own copy of the prompt.
+        req.prompt_token_logprobs = list(first.prompt_token_logprobs)
 
     def _maybe_finish(self, req) -> None:
         if req.ignore_eos and req.output_ids[-1] in self.eos_ids and req.output_ids[-1] not in req.stop_token_ids:

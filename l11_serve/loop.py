@@ -41,6 +41,7 @@ class Update:
     token_ids: list[int]
     finish_reason: str | None = None  # the engine's: eos, stop, length, aborted, error
     logprobs: list = field(default_factory=list)  # a TokenLogprob per id, when the request asked
+    prompt_logprobs: list | None = None  # in a sample's first update, when it scored its prompt
 
 
 @dataclass
@@ -209,8 +210,9 @@ class EngineLoop:
             sent = stream.sent.get(rid, 0)
             reason = req.finish_reason if req.state is State.FINISHED else None
             if len(req.output_ids) > sent or reason:
+                scores = req.prompt_token_logprobs if sent == 0 and req.scores_prompt else None
                 updates.setdefault(req.group, []).append(
-                    Update(req.sample_index, req.output_ids[sent:], reason, req.token_logprobs[sent:]))
+                    Update(req.sample_index, req.output_ids[sent:], reason, req.token_logprobs[sent:], scores))
                 stream.sent[rid] = len(req.output_ids)
                 if reason:
                     stream.finished.add(req.sample_index)

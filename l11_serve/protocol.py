@@ -17,8 +17,7 @@ from l1_contiguous.errors import short_repr
 from .engine import MAX_LOGPROBS, ServeItem
 
 # Fields of OpenAI's /v1/completions this server ignores when they hold their neutral value.
-NEUTRAL = {"echo": (False, None), "best_of": (None, 1), "user": None, "suffix": (None,),
-           "logit_bias": (None, {})}
+NEUTRAL = {"best_of": (None, 1), "user": None, "suffix": (None,), "logit_bias": (None, {})}
 
 
 MAX_PROMPTS = 64  # prompts in one request's batch: each takes a waiting slot and a group of samples
@@ -43,6 +42,7 @@ class CompletionParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
 
     @property
     def prompt_tokens(self) -> int:
@@ -50,11 +50,13 @@ class CompletionParams:
 
     def work_items(self) -> list[ServeItem]:
         """One engine item per prompt, each with the request's sampling settings (and seed)."""
-        return [ServeItem(prompt, self.max_tokens, n=self.n, temperature=self.temperature,
+        # echo with max_tokens 0 scores the prompt: the engine still makes one token, never sent.
+        return [ServeItem(prompt, max(self.max_tokens, 1), n=self.n, temperature=self.temperature,
                           seed=self.seed, top_p=self.top_p, stop_token_ids=tuple(self.stop_token_ids),
                           ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                          repetition_penalty=self.repetition_penalty, logprobs=self.logprobs)
+                          repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
+                          prompt_logprobs=self.logprobs if self.echo else None)
                 for prompt in self.prompts]
 
 
@@ -77,7 +79,7 @@ def _check_fields(body: dict, own: set[str], neutral_values: dict) -> None:
 def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
     if not isinstance(body, dict):
         raise InputError("the request body must be a JSON object like {\"prompt\": \"...\", \"max_tokens\": 16}")
-    _check_fields(body, {"prompt", "stop_token_ids", "logprobs"}, NEUTRAL)
+    _check_fields(body, {"prompt", "stop_token_ids", "logprobs", "echo"}, NEUTRAL)
     if body.get("model", model_name) not in (model_name, None):
         raise InputError(f"model {body['model']!r} is not served here; GET /v1/models lists {model_name!r}")
     if body.get("stop") and tokenizer is None:
@@ -86,7 +88,8 @@ def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise InputError("stream_options must be an object with at most include_usage and continuous_usage_stats "
                          "(booleans)")
-    max_tokens = _int(body, "max_tokens", 16, low=1)
+    echo = _bool(body, "echo")
+    max_tokens = _int(body, "max_tokens", 16, low=0 if echo else 1)  # 0: score the prompt, generate nothing
     return CompletionParams(
         prompts=_prompts(body.get("prompt"), tokenizer),
         max_tokens=max_tokens,
@@ -104,10 +107,11 @@ def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
         presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0.0, high=2.0, open_low=True),
-        logprobs=_int(body, "logprobs", None, low=0, high=MAX_LOGPROBS) if body.get("logprobs") is not None else None)
+        logprobs=_int(body, "logprobs", None, low=0, high=MAX_LOGPROBS) if body.get("logprobs") is not None else None,
+        echo=echo)
 
 
-CHAT_NEUTRAL = {**NEUTRAL, "tools": (None, []),
+CHAT_NEUTRAL = {**NEUTRAL, "echo": (False, None), "tools": (None, []),
                 "tool_choice": (None, "none"), "parallel_tool_calls": None, "response_format": (None, {"type": "text"}),
                 "store": (None, False), "metadata": None, "service_tier": None}
 ROLES = ("system", "user", "assistant", "developer")

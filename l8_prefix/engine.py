@@ -151,6 +151,7 @@ def pending_keys(req: PrefixRequest) -> list[bytes]:
 class PrefixEngine(Engine):
     request_cls = PrefixRequest
     allocator_cls = PrefixBlockAllocator
+    scheduler_cls = PrefixScheduler
 
     def __init__(self, model, pool, alloc: PrefixBlockAllocator, prefix_sharing: bool = True,
                  max_prefix_hold: int = 8, **kwargs):
@@ -162,7 +163,7 @@ class PrefixEngine(Engine):
         self.metrics_timeline: list[dict] = []
 
     def _make_scheduler(self, policy, prefill_chunk, watermark_blocks) -> Scheduler:
-        return PrefixScheduler(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks,
+        return self.scheduler_cls(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks,
                                pool=self.pool, sharing=self.sharing, counters=self.prefix,
                                max_prefix_hold=self.max_prefix_hold)
 

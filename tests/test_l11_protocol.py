@@ -132,6 +132,82 @@ def test_logprobs_are_hfs_log_softmax_with_the_top_k_whole_and_streamed(served, 
     wait_idle(loop)
 
 
+def test_echo_scores_every_prompt_token_as_hf_does_even_when_the_prompt_is_cached(served, embedded_model_dir):
+    """lm-evaluation-harness's loglikelihood request: `echo: true, logprobs: 1, max_tokens: 1` (or 0)
+    on context + continuation ids. token_logprobs[0] is null, token_logprobs[p] is HF's float32
+    log_softmax at position p - 1 for the prompt's token p. The prompt is cached before it is
+    scored, so a hit would skip the very positions asked for: the scoring request takes none."""
+    from harness import hf_reference as hf
+
+    client, loop, tok = served
+    ids = tok.encode(PROMPT + " and his mercy endureth for ever", add_special_tokens=False)
+    with torch.inference_mode():
+        model = hf.load_hf_model(str(embedded_model_dir))
+        want = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # [T, V]
+    assert complete(client, prompt=ids, max_tokens=2).status_code == 200  # now its blocks are cached
+    wait_idle(loop)
+    hits = loop.engine.prefix.prefix_hit_tokens
+    for max_tokens in (1, 0):
+        body = complete(client, prompt=ids, max_tokens=max_tokens, echo=True, logprobs=1).json()
+        choice = body["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + max_tokens and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None and lp["tokens"][:len(ids)] == [tok.decode([t]) for t in ids]
+        for p in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][p] - float(want[p - 1, ids[p]])) < LOGPROB_TOL, p
+            (top_text, top_value), = lp["top_logprobs"][p].items()
+            assert top_text == tok.decode([int(want[p - 1].argmax())]) and abs(top_value - float(want[p - 1].max())) < LOGPROB_TOL
+        assert choice["text"] == tok.decode(ids) + tok.decode(choice["token_ids"], skip_special_tokens=True)
+        assert len(choice["token_ids"]) == max_tokens and body["usage"]["completion_tokens"] == max_tokens
+    wait_idle(loop)
+    assert loop.engine.prefix.prefix_hit_tokens == hits  # neither scoring request took a cached block
+    with client.stream("POST", "/v1/completions", json={"prompt": ids, "max_tokens": 1, "echo": True,
+                                                        "logprobs": 1, "temperature": 0, "stream": True}) as r:
+        chunks = [c["choices"][0] for c in sse_chunks(r.iter_lines())[:-1]]
+    assert chunks[0]["text"] == tok.decode(ids) and chunks[0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]
+    echoed = complete(client, prompt=ids, max_tokens=2, echo=True).json()["choices"][0]  # no scores: a hit is fine
+    assert echoed["logprobs"] is None and echoed["text"].startswith(tok.decode(ids))
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+    wait_idle(loop)
+    assert_no_leak(loop)
+
+
+@pytest.mark.parametrize("sharing", [True, False])
+def test_prompt_scores_survive_chunked_prefill_preemption_and_forks(embedded_model_dir, sharing):
+    """In the engine: prompts scored in chunks of 16 in a pool of 24 blocks of 4 that preempts, one
+    of them cached beforehand and one sampled n = 2. Every score is HF's; every sample carries them."""
+    import random
+
+    from harness import hf_reference as hf
+    from l5_eviction import load_engine_model
+    from l11_serve.engine import ServeItem, make_serve_engine
+
+    model = load_engine_model(embedded_model_dir)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in (40, 33, 17, 70)]
+    engine = make_serve_engine(model, 24, 4, prefill_chunk=16, prefix_sharing=sharing)
+    engine.add_request(ServeItem(prompts[0], 4))
+    engine.run()
+    hits = engine.prefix.prefix_hit_tokens
+    reqs = [engine.add_request(ServeItem(p, 5, prompt_logprobs=2, n=2 if i == 1 else 1, temperature=0.8 if i == 1 else 0))
+            for i, p in enumerate(prompts)]
+    engine.run()
+    assert engine.preemptor.counters.preempted_recompute > 0 and engine.prefix.prefix_hit_tokens == hits
+    hf_model = hf.load_hf_model(str(embedded_model_dir))
+    for req, prompt in zip(reqs, prompts):
+        with torch.inference_mode():
+            want = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        samples = [r for r in engine.requests.values() if r.group == req.group]
+        assert len(samples) == (2 if req is reqs[1] else 1)
+        for sample in samples:
+            scores = sample.prompt_token_logprobs
+            assert len(scores) == len(prompt) and scores[0] is None
+            for p in range(1, len(prompt)):
+                assert abs(scores[p].logprob - float(want[p - 1, prompt[p]])) < LOGPROB_TOL, (p, sharing)
+                assert [t for t, _ in scores[p].top] == want[p - 1].topk(2).indices.tolist()
+
+
 def test_chat_logprobs_and_top_logprobs_and_a_sampled_fork_gets_its_own(served):
     """Chat's form (`logprobs: true`, `top_logprobs: 2`): per token its text, log-probability and
     UTF-8 bytes; with n = 2 sampled, each sample's logprobs are of its own tokens (the fork's first
@@ -196,7 +272,9 @@ BAD = [  # (body change, words the one-line message must contain)
     ({"prompt": [5] * 700, "max_tokens": 100}, "blocks"),  # 50 blocks: this pool of 48 can never hold it
     ({"model": "gpt-4"}, "not served here"),
     ({"logprobs": 21}, "logprobs must be an integer in 0..20"),
-    ({"echo": True}, "not supported"),
+    ({"echo": "yes"}, "echo must be true or false"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),  # 0 only with echo (scoring the prompt)
+    ({"suffix": "amen"}, "not supported"),
 ]
 
 
