@@ -458,6 +458,36 @@ def test_a_hidden_test_files_source_never_reaches_a_visible_output(bundle, tmp_p
     assert "test_two_blocks_come_back_in_the_free_list" not in results["output"] + results["log"]
 
 
+def test_the_bundles_own_folder_is_out_of_the_workers_reach(bundle, tmp_path):
+    """The submission knows where the bundle lives (on Gradescope always /autograder/source) and
+    reads the hidden tests and the manifest from there by absolute path. Their files are readable
+    by anyone; only the folder, root's and closed (0700) while the parts run, keeps them out."""
+    if os.geteuid() != 0:
+        pytest.skip("the worker runs as another user only when the grader runs as root")
+    open_root = Path(tempfile.mkdtemp(prefix="autograder-open-"))  # pytest's own tmp folders are root-only
+    os.chmod(open_root, 0o755)
+    bundle = Path(shutil.copytree(bundle, open_root / "bundle", symlinks=True))
+    hidden, manifest = bundle / "source" / "tests" / HIDDEN_FILE, bundle / "source" / "grading_manifest.json"
+    assert hidden.stat().st_mode & 0o004 and manifest.stat().st_mode & 0o004  # the files themselves are open
+    assert all(folder.stat().st_mode & 0o001 for folder in (bundle / "source").parents)  # and reachable
+    peek = f"""
+import pathlib as _p
+_found = ""
+for _path in ({str(hidden)!r}, {str(manifest)!r}):
+    try:
+        _found += _p.Path(_path).read_text()
+    except OSError:
+        pass
+if _found:
+    raise ImportError("LEAK " + _found[:2000])
+"""
+    results = run_bundle(bundle, stub_with(bundle, tmp_path, peek), tmp_path, select=f"{FAST} tests/{HIDDEN_FILE}")
+    assert results["tests"] and not [t["name"] for t in results["tests"] if "LEAK" in t["output"]]
+    assert "LEAK" not in results["log"]
+    assert (bundle / "source").stat().st_mode & 0o777 != 0o700  # given back as it was after grading
+    shutil.rmtree(open_root)
+
+
 def test_flags_name_only_changed_code_that_only_a_cheat_needs(bundle, tmp_path):
     untouched = run_bundle(bundle, submit(tmp_path / "a", bundle / "source"), tmp_path / "a")
     assert untouched["extra_data"]["flags"] == [] and "FLAG" not in untouched["log"]
