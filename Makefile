@@ -20,7 +20,7 @@ VENV_FLAGS := $(if $(filter 1 yes true,$(ISOLATED)),,--system-site-packages)
 # Every lesson package at the root (l1_contiguous/ ...): adding a lesson adds its targets.
 LESSONS := $(sort $(foreach p,$(wildcard l[0-9]*_*/__init__.py),$(firstword $(subst _, ,$(p)))))
 
-.PHONY: run test setup bench student-copy autograder notebooks lab serve clean \
+.PHONY: run test setup clients bench student-copy autograder notebooks lab serve clean \
 	$(addprefix smoke-,$(LESSONS)) $(addprefix check-,$(LESSONS))
 
 run: setup          ## every lesson's smoke script: PASS lines
@@ -51,6 +51,12 @@ lab: setup          ## JupyterLab on notebooks/, with this project's kernel
 	$(PY) -m jupyterlab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 setup: $(STAMP)
+
+clients: $(VENV)/.clients   ## lm-eval, guidellm and aiperf, which L11's server is tested against (CI installs them)
+
+$(VENV)/.clients: $(STAMP)
+	$(PY) -m pip install -e ".[dev,clients]"
+	touch $@
 
 ifneq ($(filter-out auto cuda cpu,$(TORCH_BUILD)),)
 $(error TORCH_BUILD=$(TORCH_BUILD): use auto (the default), cpu or cuda)

@@ -47,7 +47,7 @@ MUTATIONS = [
         "        if token in stop_ids or len(out.new_ids) == max_new_tokens:\n            break\n",
         "        token = int(out.logits[-1].argmax())\n        if token in stop_ids:\n            break\n"
         "        out.new_ids.append(token)\n        if len(out.new_ids) == max_new_tokens:\n            break\n",
-        ("tests/test_l1_model.py", "-k", "hf"),
+        ("tests/test_l1_model.py", "-k", "hf"), slow=True,
     ),
     Mutation(
         "L1 greedy_generate ignores stop ids",
@@ -98,7 +98,7 @@ MUTATIONS = [
         "l10_speculative/acceptance.py",
         "    out.append(_draw(target_probs[len(draft)], generator))\n",
         "    out.append(_draw(target_probs[max(len(draft) - 1, 0)], generator))\n",
-        ("tests/test_l10_acceptance.py", "-k", "accept_sampled"),
+        ("tests/test_l10_acceptance.py", "-k", "accept_sampled"), slow=True,
     ),
     Mutation(
         "L10 accept_sampled replaces a rejected proposal with a draw from p, not (p - q)+",
@@ -113,14 +113,14 @@ MUTATIONS = [
         "l11_serve/loop.py",
         "                    and (index is None or req.sample_index == index):\n",
         "                    and index is None:\n",
-        ("tests/test_l11_client.py", "-k", "hangs_up or gives_up or stop_string or leaves or abort_path"),
+        ("tests/test_l11_client.py", "-k", "hangs_up or gives_up or stop_string or leaves or abort_path"), slow=True,
     ),
     Mutation(
         "L11 _abort_group misses waiting requests",
         "l11_serve/loop.py",
         "            if req.group == stream.group and req.state is not State.FINISHED \\\n",
         "            if req.group == stream.group and req.state is State.RUNNING \\\n",
-        ("tests/test_l11_client.py", "-k", "hangs_up or gives_up or stop_string or leaves or abort_path"),
+        ("tests/test_l11_client.py", "-k", "hangs_up or gives_up or stop_string or leaves or abort_path"), slow=True,
     ),
     # The bugs issue 37's probes wrote, one per function each, beyond those above.
     Mutation(
@@ -227,7 +227,7 @@ MUTATIONS = [
         "l3_block_kernel/block_table.py",
         "    rows = [r.blocks + [0] * (width - len(r.blocks)) for r in reqs]\n",
         "    rows = [r.blocks + [-1] * (width - len(r.blocks)) for r in reqs]\n",
-        ("tests/test_l3_model.py", "-k", "tables"), slow=True,
+        ("tests/test_l3_model.py", "-k", "tables"),
     ),
     Mutation(
         "L5 swap_in restores the blocks but leaves the request swapped",
@@ -308,7 +308,7 @@ MUTATIONS = [
         "l10_speculative/drafters.py",
         "        for start in range(len(tokens) - n - 1, -1, -1):  # most recent first\n",
         "        for start in range(len(tokens) - n):\n",
-        ("tests/test_l10_acceptance.py", "-k", "ngram"), slow=True,
+        ("tests/test_l10_acceptance.py", "-k", "ngram"),
     ),
     Mutation(
         "L10 accept_greedy drops the target's own token after the accepted run",
@@ -936,7 +936,9 @@ def _grade(folder: Path, tests: tuple[str, ...]) -> list[dict]:
 
 def _param(m: Mutation):
     """A known gap runs only with --run-slow (it proves nothing new each run, and each mutation
-    costs a copy and a pytest of its own); the bugs the tests must kill run in every `make test`."""
+    costs a copy and a pytest of its own), and so do the mutations marked slow: those whose tests
+    take over ten seconds, and all but one or two per lesson (make test's 15-minute budget). The
+    rest run in every `make test`."""
     marks = ([pytest.mark.xfail(strict=True, reason=f"issue 37, a test too weak: {m.too_weak}"), pytest.mark.slow]
              if m.too_weak else [pytest.mark.slow] if m.also_killed_by or m.slow else [])
     return pytest.param(m, id=m.name, marks=marks)
