@@ -1,12 +1,15 @@
 """L11 against the tools people evaluate and load-test servers with, installed from PyPI and run
 unmodified over 127.0.0.1: lm-evaluation-harness (a generation task and a loglikelihood task,
-each compared with HF), guidellm (a synchronous and a constant-rate run) and aiperf.
+each compared with HF), guidellm (a synchronous and a constant-rate run), aiperf, and the
+`openai` client's async streams, raw responses and retries.
 
-They come with the `clients` extra (`make clients`, which CI runs); without it these tests skip.
+lm-eval, guidellm and aiperf come with the `clients` extra (`make clients`, which CI runs);
+without it their tests skip. `openai` is a dev dependency: its test always runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -17,6 +20,8 @@ import pytest
 import torch
 
 from harness import hf_reference as hf
+from openai import AsyncOpenAI, OpenAI
+
 from l11_serve import Server, build_server
 from serve_helpers import assert_no_leak, wait_idle
 
@@ -157,3 +162,36 @@ def test_the_readme_shows_the_commands_these_tests_run():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     for words in ("lm_eval --model local-completions", "guidellm run --backend kind=openai_http", "make clients"):
         assert words in readme, words
+
+
+def test_the_openai_client_async_streams_raw_responses_and_retries_after_a_429(embedded_model_dir):
+    """16 streamed completions at once from AsyncOpenAI, each the text of the same request made
+    alone, although the server's waiting queue takes 4: the burst gets 429s with Retry-After and
+    the client's own retries finish every request; `with_raw_response` shows the headers (an
+    x-request-id) and parses the same body."""
+    app, loop, tokenizer = build_server(embedded_model_dir, num_blocks=128, block_size=16, max_waiting=4)
+    prompts = ["Blessed are the", "Thus saith the LORD"]
+    with Server(app) as url:
+        plain = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=10)
+        alone = {p: plain.completions.create(model=embedded_model_dir.name, prompt=p, max_tokens=12,
+                                             temperature=0).choices[0].text for p in prompts}
+        raw = plain.completions.with_raw_response.create(model=embedded_model_dir.name, prompt=prompts[0],
+                                                         max_tokens=12, temperature=0)
+        assert raw.status_code == 200 and raw.headers.get("x-request-id")
+        assert raw.parse().choices[0].text == alone[prompts[0]]
+
+        async def streamed(client, prompt: str) -> str:
+            stream = await client.completions.create(model=embedded_model_dir.name, prompt=prompt, max_tokens=12,
+                                                     temperature=0, stream=True)
+            return "".join([chunk.choices[0].text async for chunk in stream])
+
+        async def burst(count: int) -> list[str]:
+            client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=10)
+            return await asyncio.gather(*(streamed(client, prompts[i % 2]) for i in range(count)))
+
+        texts = asyncio.run(burst(16))
+        assert texts == [alone[prompts[i % 2]] for i in range(16)]
+        rejected = loop.metrics.rejected.labels("overloaded")._value.get()
+        assert rejected > 0, "a queue of 4 took 16 requests at once without a 429: nothing was retried"
+        wait_idle(loop)
+        assert_no_leak(loop)
