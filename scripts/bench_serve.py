@@ -19,6 +19,12 @@ latency p50/p99 (ms), goodput (requests/s that met the SLO: TTFT <= --slo-ttft-m
 
 HF's side needs `pip install 'transformers[serving]'` (fastapi, rich, accelerate); it is skipped
 with a note when that is missing.
+
+A real load generator drives the same workload too: with guidellm installed (`make clients`) each
+row is repeated by `guidellm run` (the same prompts and max_tokens from a JSON-lines file, Poisson
+arrivals at the same rate, /v1/completions), reported from guidellm's own measurements in the rows
+marked "· guidellm" (its goodput and text columns stay empty: it neither applies our SLO nor
+returns the texts). `--no-guidellm` leaves it out.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import os
 import random
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,6 +122,38 @@ def hf_cli() -> str | None:
     return str(here) if here.is_file() else shutil.which("transformers")
 
 
+def guidellm_cli() -> str | None:
+    here = Path(sys.executable).parent / "guidellm"
+    return str(here) if here.is_file() else shutil.which("guidellm")
+
+
+def drive_guidellm(url: str, model: str, reqs: list[tuple[str, int]], rate: float, args) -> dict:
+    """The same requests through `guidellm run` (Poisson at `rate`); its own figures, as a row."""
+    with tempfile.TemporaryDirectory() as folder:
+        data, out = Path(folder, "workload.jsonl"), Path(folder, "guidellm.json")
+        data.write_text("".join(json.dumps({"prompt": p, "output_tokens_count": n}) + "\n" for p, n in reqs))
+        cmd = [guidellm_cli(), "run", "--backend",
+               f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
+               "--profile", f"kind=poisson,rate={rate}", "--constraint", f"kind=max_requests,count={len(reqs)}",
+               "--data", f"kind=json_file,path={data}", "--tokenizer", f"kind=hf_auto,model={Path(args.model).resolve()}",
+               "--output", f"kind=json,path={out}", "--disable-console"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        if run.returncode != 0:
+            raise RuntimeError(f"guidellm failed ({run.returncode}): {(run.stdout + run.stderr)[-500:]}")
+        (bench,) = json.loads(out.read_text())["benchmarks"]
+    metrics, done = bench["metrics"], bench["requests"]
+
+    def pct(name: str, q: str) -> float:
+        return metrics[name]["successful"]["percentiles"][q]
+
+    return {"tok/s": metrics["output_token_count"]["successful"]["total_sum"] / bench["duration"],
+            "TTFT p50": pct("time_to_first_token_ms", "p50"), "TTFT p99": pct("time_to_first_token_ms", "p99"),
+            "ITL p50": pct("inter_token_latency_ms", "p50"), "ITL p99": pct("inter_token_latency_ms", "p99"),
+            "goodput req/s": "", "SLO met": f"{len(done['successful'])}/{len(reqs)} ok, {len(done['errored'])} errors",
+            "texts": None}
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -181,6 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--hf-batch-tokens", default="256,1024", help="HF's --cb-max-batch-tokens values swept")
     p.add_argument("--no-hf", action="store_true", help="only our server")
+    p.add_argument("--no-guidellm", action="store_true", help="leave out the rows driven by guidellm")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-itl-ms", type=float, default=200.0)
@@ -204,6 +245,9 @@ def main(argv=None) -> int:
                     for t in args.hf_batch_tokens.split(",")]
     elif not args.no_hf:
         note = "HF's server skipped: pip install 'transformers[serving]' to compare."
+    with_guidellm = not args.no_guidellm and guidellm_cli() is not None
+    if not args.no_guidellm and not with_guidellm:
+        note += " guidellm's rows skipped: `make clients` installs it."
     load_start = load_average()
     rows: dict[tuple, dict] = {}
     for rnd in range(args.rounds):
@@ -219,12 +263,16 @@ def main(argv=None) -> int:
                         reqs = workload(name, args.requests, seed)
                         results = asyncio.run(drive(f"http://127.0.0.1:{port}", model, reqs,
                                                     arrivals(len(reqs), rate, seed)))
-                        row = summarize(results, args)
-                        key = (name, rate, target["name"])
-                        if key not in rows or row["tok/s"] > rows[key]["tok/s"]:
-                            rows[key] = row
-                        print(f"round {rnd + 1} {target['name']:28} {name:6} {rate:4g}/s  {row['tok/s']:7.1f} tok/s",
-                              flush=True)
+                        measured = [(target["name"], summarize(results, args))]
+                        if with_guidellm:
+                            measured.append((f"{target['name']} · guidellm",
+                                             drive_guidellm(f"http://127.0.0.1:{port}", model, reqs, rate, args)))
+                        for server, row in measured:
+                            key = (name, rate, server)
+                            if key not in rows or row["tok/s"] > rows[key]["tok/s"]:
+                                rows[key] = row
+                            print(f"round {rnd + 1} {server:40} {name:6} {rate:4g}/s  {row['tok/s']:7.1f} tok/s",
+                                  flush=True)
             finally:
                 stop(proc)
     table = []
@@ -232,9 +280,11 @@ def main(argv=None) -> int:
         ours = rows[(name, rate, targets[0]["name"])]["texts"]
         table.append({"workload": name, "rate/s": rate, "server": target,
                       **{k: v for k, v in row.items() if k != "texts"},
-                      "texts equal": "yes" if row["texts"] == ours else
+                      "texts equal": "" if row["texts"] is None else "yes" if row["texts"] == ours else
                       f"{sum(a == b for a, b in zip(row['texts'], ours))}/{len(ours)}"})
-    table.sort(key=lambda r: (names.index(r["workload"]), r["rate/s"], r["server"] != targets[0]["name"]))
+    order = [t["name"] for t in targets]
+    table.sort(key=lambda r: (names.index(r["workload"]), r["rate/s"], order.index(r["server"].split(" · ")[0]),
+                              " · " in r["server"]))
     columns = ["workload", "rate/s", "server", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
                "goodput req/s", "SLO met", "texts equal"]
     print_table(table, columns)
