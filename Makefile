@@ -52,10 +52,17 @@ lab: setup          ## JupyterLab on notebooks/, with this project's kernel
 
 setup: $(STAMP)
 
-clients: $(VENV)/.clients   ## lm-eval, guidellm and aiperf, which L11's server is tested against (CI installs them)
+# The evaluation and load-testing tools talk to the server over HTTP: they get an environment of
+# their own (.venv-clients, never with the system's site-packages), so that nothing they bring
+# (sentencepiece's own OpenMP runtime, pytest plugins) reaches the course's processes.
+CLIENTS_VENV := .venv-clients
+clients: $(CLIENTS_VENV)/.installed   ## lm-eval, guidellm and aiperf, which L11's server is tested against (CI installs them)
 
-$(VENV)/.clients: $(STAMP)
-	$(PY) -m pip install -e ".[dev,clients]"
+$(CLIENTS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	TORCH="$(TORCH)" TORCH_BUILD="$(TORCH_BUILD)" TORCH_CPU_INDEX="$(TORCH_CPU_INDEX)" \
+		$(PYTHON) scripts/install_torch.py --python $(CLIENTS_VENV)/bin/python
+	$(CLIENTS_VENV)/bin/python -m pip install ".[clients]"
 	touch $@
 
 ifneq ($(filter-out auto cuda cpu,$(TORCH_BUILD)),)
@@ -95,4 +102,4 @@ autograder: setup    ## the Gradescope autograder: autograder.zip (no solutions 
 	$(PY) scripts/make_autograder.py autograder.zip --lessons "$(LESSONS)"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis student-copy autograder.zip
+	rm -rf $(VENV) $(CLIENTS_VENV) build *.egg-info .pytest_cache .hypothesis student-copy autograder.zip

@@ -123,8 +123,11 @@ def hf_cli() -> str | None:
 
 
 def guidellm_cli() -> str | None:
-    here = Path(sys.executable).parent / "guidellm"
-    return str(here) if here.is_file() else shutil.which("guidellm")
+    """`make clients` puts guidellm in .venv-clients; else beside this Python, or on PATH."""
+    for folder in (Path(__file__).resolve().parent.parent / ".venv-clients" / "bin", Path(sys.executable).parent):
+        if (folder / "guidellm").is_file():
+            return str(folder / "guidellm")
+    return shutil.which("guidellm")
 
 
 def drive_guidellm(url: str, model: str, reqs: list[tuple[str, int]], rate: float, args) -> dict:

@@ -148,7 +148,7 @@ def repository_files(root: Path) -> list[str]:
         names = sorted({n for n in out.decode().split("\0") if n})
         return [n for n in names if (root / n).is_file()]  # deleted but still tracked: skip
     except (OSError, subprocess.CalledProcessError):
-        skip = {".git", ".venv", "__pycache__"}
+        skip = {".git", ".venv", ".venv-clients", "__pycache__"}
         return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
                       if p.is_file() and not skip & set(p.relative_to(root).parts))
 

@@ -24,7 +24,7 @@ import pytest
 pytestmark = [pytest.mark.course]
 
 ROOT = Path(__file__).resolve().parent.parent
-SKIP = {".git", ".venv", "student-copy", "__pycache__", ".pytest_cache", ".hypothesis", "build", "notebooks"}
+SKIP = {".git", ".venv", ".venv-clients", "student-copy", "__pycache__", ".pytest_cache", ".hypothesis", "build", "notebooks"}
 
 
 @dataclass(frozen=True)
@@ -84,14 +84,14 @@ MUTATIONS = [
         "l8_prefix/prefix_allocator.py",
         "            if self.ref_count[b] - blocks[:i].count(b) <= 0:\n",
         "            if self.ref_count[b] <= 0:\n",
-        ("tests/test_l8_blocks.py", "-k", "freed or shared or bad_frees"),
+        ("tests/test_l8_blocks.py", "-k", "freed or shared or bad_frees"), slow=True,
     ),
     Mutation(
         "L5 _make_room with an if where the while belongs",
         "l5_eviction/scheduler.py",
         "        while self._blocks_for(req, n) > self.alloc.num_free:\n",
         "        if self._blocks_for(req, n) > self.alloc.num_free:\n",
-        ("tests/test_l5_engine.py", "-k", "victims or itself"),
+        ("tests/test_l5_engine.py", "-k", "victims or itself"), slow=True,
     ),
     Mutation(
         "L10 accept_sampled draws the bonus id from the last proposal's row",
@@ -130,7 +130,7 @@ MUTATIONS = [
         "# checked before anything changes\n        blocks = [self.free_blocks.pop() for _ in range(n)]\n",
         "        blocks = []\n        for _ in range(n):\n            if not self.free_blocks:\n"
         "                raise OutOfBlocksError(n, len(blocks))\n            blocks.append(self.free_blocks.pop())\n",
-        ("tests/test_l2_allocator.py", "-k", "fresh or running_out or bad_sizes or random_alloc"),
+        ("tests/test_l2_allocator.py", "-k", "fresh or running_out or bad_sizes or random_alloc"), slow=True,
     ),
     Mutation(
         "L5 swap_out copies every block, not only those holding K/V",
@@ -144,14 +144,14 @@ MUTATIONS = [
         "l5_eviction/scheduler.py",
         "            if not queue:\n                self._preempt(req)\n                return False\n",
         "            if not queue:\n                return False\n",
-        ("tests/test_l5_engine.py", "-k", "victims or itself"),
+        ("tests/test_l5_engine.py", "-k", "victims or itself"), slow=True,
     ),
     Mutation(
         "L11 observe_step keeps every finished request's clock forever",
         "l11_serve/metrics.py",
         "                del self.last_token_at[rid]\n",
         "                pass\n",
-        ("tests/test_l11_metrics.py",),
+        ("tests/test_l11_metrics.py",), slow=True,
     ),
     Mutation(
         "L11 observe_step measures the inter-token latency from the arrival",
@@ -937,7 +937,7 @@ def _grade(folder: Path, tests: tuple[str, ...]) -> list[dict]:
 def _param(m: Mutation):
     """A known gap runs only with --run-slow (it proves nothing new each run, and each mutation
     costs a copy and a pytest of its own), and so do the mutations marked slow: those whose tests
-    take over ten seconds, and all but one or two per lesson (make test's 15-minute budget). The
+    take over ten seconds, and all but one per lesson (make test's 15-minute budget). The
     rest run in every `make test`."""
     marks = ([pytest.mark.xfail(strict=True, reason=f"issue 37, a test too weak: {m.too_weak}"), pytest.mark.slow]
              if m.too_weak else [pytest.mark.slow] if m.also_killed_by or m.slow else [])
