@@ -24,8 +24,14 @@ A real load generator drives the same workload too: with guidellm installed (`ma
 row is repeated by `guidellm run` (the same prompts and max_tokens from a JSON-lines file, Poisson
 arrivals at the same rate, /v1/completions), reported from guidellm's own measurements in the rows
 marked "· guidellm" (its goodput and text columns stay empty: it neither applies our SLO nor
-returns the texts). `--no-guidellm` leaves it out.
+returns the texts). `--no-guidellm` leaves it out. guidellm asks for exactly max_tokens tokens
+(vLLM's `ignore_eos: true`), which HF's server refuses, so those rows carry more tokens than ours.
 """
+
+GUIDELLM_NOTE = ("Rows marked · guidellm: the same requests sent by guidellm, which asks for exactly max_tokens "
+                 "tokens (`ignore_eos: true`, `stop: null`): they carry more output tokens than the rows above, whose "
+                 "requests stop at EOS, so their tok/s is not comparable with those; HF's server refuses `ignore_eos` "
+                 "(`Unexpected fields in the request`), so each guidellm request to it is an error.")
 
 from __future__ import annotations
 
@@ -302,7 +308,8 @@ def main(argv=None) -> int:
                 f"while measured, both on CPU float32 with {args.num_blocks} blocks of {args.block_size} and "
                 f"{args.threads} intra-op thread(s) (OMP_NUM_THREADS); "
                 f"times in ms; SLO: TTFT <= {args.slo_ttft_ms:g} ms and mean ITL <= {args.slo_itl_ms:g} ms; "
-                f"best of {args.rounds} round(s). {note}\n\n" + markdown_table(table, columns, ".1f"))
+                f"best of {args.rounds} round(s). {GUIDELLM_NOTE if with_guidellm else ''} {note}\n\n"
+                + markdown_table(table, columns, ".1f"))
         replace_section(args.markdown, "bench_serve", text)
     return 0
 
