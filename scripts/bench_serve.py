@@ -28,11 +28,6 @@ returns the texts). `--no-guidellm` leaves it out. guidellm asks for exactly max
 (vLLM's `ignore_eos: true`), which HF's server refuses, so those rows carry more tokens than ours.
 """
 
-GUIDELLM_NOTE = ("Rows marked · guidellm: the same requests sent by guidellm, which asks for exactly max_tokens "
-                 "tokens (`ignore_eos: true`, `stop: null`): they carry more output tokens than the rows above, whose "
-                 "requests stop at EOS, so their tok/s is not comparable with those; HF's server refuses `ignore_eos` "
-                 "(`Unexpected fields in the request`), so each guidellm request to it is an error.")
-
 from __future__ import annotations
 
 import argparse
@@ -70,6 +65,11 @@ PASSAGE = ("In the beginning God created the heaven and the earth. And the earth
            "God divided the light from the darkness. And God called the light Day, and the darkness he called "
            "Night. And the evening and the morning were the first day. And God said, Let there be a firmament "
            "in the midst of the waters, and let it divide the waters from the waters.")
+
+GUIDELLM_NOTE = ("Rows marked · guidellm: the same requests sent by guidellm, which asks for exactly max_tokens "
+                 "tokens (`ignore_eos: true`, `stop: null`): they carry more output tokens than the rows above, whose "
+                 "requests stop at EOS, so their tok/s is not comparable with those; HF's server refuses `ignore_eos` "
+                 "(`Unexpected fields in the request`), so each guidellm request to it is an error.")
 
 
 def workload(name: str, count: int, seed: int) -> list[tuple[str, int]]:
