@@ -153,10 +153,11 @@ def drive_guidellm(url: str, model: str, reqs: list[tuple[str, int]], rate: floa
         (bench,) = json.loads(out.read_text())["benchmarks"]
     metrics, done = bench["metrics"], bench["requests"]
 
-    def pct(name: str, q: str) -> float:
-        return metrics[name]["successful"]["percentiles"][q]
+    def pct(name: str, q: str) -> float | str:
+        return metrics[name]["successful"]["percentiles"][q] if done["successful"] else ""  # none: no figure
 
-    return {"tok/s": metrics["output_token_count"]["successful"]["total_sum"] / bench["duration"],
+    return {"tok/s": metrics["output_token_count"]["successful"]["total_sum"] / bench["duration"]
+            if done["successful"] else "",
             "TTFT p50": pct("time_to_first_token_ms", "p50"), "TTFT p99": pct("time_to_first_token_ms", "p99"),
             "ITL p50": pct("inter_token_latency_ms", "p50"), "ITL p99": pct("inter_token_latency_ms", "p99"),
             "goodput req/s": "", "SLO met": f"{len(done['successful'])}/{len(reqs)} ok, {len(done['errored'])} errors",
@@ -278,9 +279,9 @@ def main(argv=None) -> int:
                                              drive_guidellm(f"http://127.0.0.1:{port}", model, reqs, rate, args)))
                         for server, row in measured:
                             key = (name, rate, server)
-                            if key not in rows or row["tok/s"] > rows[key]["tok/s"]:
+                            if key not in rows or (row["tok/s"] or 0) > (rows[key]["tok/s"] or 0):
                                 rows[key] = row
-                            print(f"round {rnd + 1} {server:40} {name:6} {rate:4g}/s  {row['tok/s']:7.1f} tok/s",
+                            print(f"round {rnd + 1} {server:40} {name:6} {rate:4g}/s  {row['tok/s'] or 0:7.1f} tok/s",
                                   flush=True)
             finally:
                 stop(proc)
