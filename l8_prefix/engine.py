@@ -164,8 +164,8 @@ class PrefixEngine(Engine):
 
     def _make_scheduler(self, policy, prefill_chunk, watermark_blocks) -> Scheduler:
         return self.scheduler_cls(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks,
-                               pool=self.pool, sharing=self.sharing, counters=self.prefix,
-                               max_prefix_hold=self.max_prefix_hold)
+                                  pool=self.pool, sharing=self.sharing, counters=self.prefix,
+                                  max_prefix_hold=self.max_prefix_hold)
 
     # ------------------------------------------------------------------ requests and samples
 

@@ -30,7 +30,6 @@ returns the texts). `--no-guidellm` leaves it out. guidellm asks for exactly max
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib.util
 import json
