@@ -29,15 +29,17 @@ def load_hf_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, cache_factory=None) -> list[int]:
     """HF `generate` with do_sample=False, one request alone; returns the new tokens only."""
-    return hf_greedy_with_logits(model, prompt_ids, max_new_tokens)[0]
+    return hf_greedy_with_logits(model, prompt_ids, max_new_tokens, cache_factory)[0]
 
 
 @torch.inference_mode()
-def hf_greedy_with_logits(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+def hf_greedy_with_logits(model, prompt_ids: list[int], max_new_tokens: int,
+                          cache_factory=None) -> tuple[list[int], torch.Tensor]:
     """HF greedy `generate`, and the logits it chose each new token from (its own cached steps,
-    in the model's dtype, returned as float32): ([new ids], [len(new ids), vocab])."""
+    in the model's dtype, returned as float32): ([new ids], [len(new ids), vocab]).
+    cache_factory: makes the request's cache (L12's QuantizingCache); default HF's own."""
     from transformers import GenerationConfig
 
     eos = model.generation_config.eos_token_id
@@ -45,7 +47,8 @@ def hf_greedy_with_logits(model, prompt_ids: list[int], max_new_tokens: int) -> 
                               pad_token_id=_first(eos) if eos is not None else 0,
                               output_logits=True, return_dict_in_generate=True)
     ids = torch.tensor([prompt_ids], device=model.device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    cache = {} if cache_factory is None else {"past_key_values": cache_factory()}
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, **cache)
     new_ids = out.sequences[0, len(prompt_ids):].tolist()
     logits = torch.stack([step[0] for step in out.logits])[:len(new_ids)].float().cpu()
     return new_ids, logits

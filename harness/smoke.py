@@ -80,6 +80,7 @@ class RequestResult:
 class LessonRun:
     requests: list[RequestResult]
     figures: dict = field(default_factory=dict)  # lesson-specific numbers for the report and JSON
+    hf_cache: Callable | None = None  # makes HF's cache for each request (L12's quantizing oracle)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -326,7 +327,8 @@ def compare_with_hf(setup: Setup, result: LessonRun,
     except Exception as exc:  # our loader read the folder; what HF still refuses is the folder's fault
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ModelLoadError(f"transformers cannot load {setup.model_dir} ({reason})") from None
-    hf_runs = [hf.hf_greedy_with_logits(model, r.prompt_ids, setup.max_new_tokens) for r in result.requests]
+    hf_runs = [hf.hf_greedy_with_logits(model, r.prompt_ids, setup.max_new_tokens, result.hf_cache)
+               for r in result.requests]
     forced = None
     diverged = any(r.ids != hf_ids for r, (hf_ids, _) in zip(result.requests, hf_runs))
     wanted = diverged or setup.teacher_forced == "always"
