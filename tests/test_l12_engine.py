@@ -83,7 +83,7 @@ def our_step_logits(model, scales, ids: list[int], chunks: list[int], backend: s
     return torch.cat(rows).float()
 
 
-@pytest.mark.points(4)
+@pytest.mark.points(2)
 @pytest.mark.parametrize("fmt, granularity", SETTINGS, ids=lambda x: getattr(x, "name", x))
 def test_logits_equal_the_quantizing_oracle_prefill_in_chunks_then_decode(model, hf_model, scales_for, fmt,
                                                                            granularity):
@@ -99,7 +99,7 @@ def test_logits_equal_the_quantizing_oracle_prefill_in_chunks_then_decode(model,
                                f"moves them by {cost:.3g}): K/V are not stored and read back as codes * scale")
 
 
-@pytest.mark.points(2)
+@pytest.mark.points(1)
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_decode_through_every_backend_equals_the_oracle(model, hf_model, scales_for, backend):
     scales = scales_for(INT8, "head")
@@ -126,7 +126,7 @@ def oracle_ids(model_dir, prompt, n, scales: KvScales) -> list[int]:
 PREFIX = random_prompt(18, VOCAB, seed=14)  # no near tie in the oracle's ids below
 
 
-@pytest.mark.points(3)
+@pytest.mark.points(2)
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_every_request_ends_with_the_oracles_ids_under_preemption_and_sharing(model, tiny_model_dir, scales_for,
                                                                               preempt):

@@ -87,7 +87,7 @@ def test_quantize_fp8_keeps_nan():
     assert torch.isnan(codes[1, 0, 3]) and int(torch.isnan(codes).sum()) == 1
 
 
-@pytest.mark.points(3)
+@pytest.mark.points(4)
 def test_quantize_int8_rounds_half_to_even_saturates_and_marks_nan():
     scales = torch.tensor([0.25, 4.0, 0.01])
     x = awkward_values(3, seed=2)
@@ -124,9 +124,9 @@ def test_dequantize_is_code_times_its_heads_scale_and_minus_128_is_nan():
 
 @pytest.mark.points(2)
 def test_scales_per_head_and_per_tensor_map_amax_onto_the_format():
-    amax = torch.tensor([[1.0, 4.0, 2.0], [8.0, 0.5, 0.25]])
+    amax = torch.tensor([[1.0, 4.0, 2.0], [8.0, 0.0, 0.25]])
     head = scales_from_amax(amax, "head", FP8_E4M3)
-    assert torch.equal(head, amax / 448)
+    assert torch.equal(head, torch.tensor([[1.0 / 448, 4.0 / 448, 2.0 / 448], [8.0 / 448, 1.0, 0.25 / 448]]))
     tensor = scales_from_amax(amax, "tensor", INT8)
     assert torch.equal(tensor, torch.tensor([[4.0] * 3, [8.0] * 3]) / 127), "per tensor is per layer: each layer's own max"
     assert torch.equal(scales_from_amax(amax, "one", INT8), torch.ones(2, 3))
@@ -139,7 +139,7 @@ def test_a_head_that_wrote_only_zeros_gets_scale_one():
     assert torch.equal(scales_from_amax(amax, "tensor", FP8_E4M3), torch.tensor([[2 / 448] * 2, [1.0, 1.0]]))
 
 
-@pytest.mark.points(2)
+@pytest.mark.points(1)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
 def test_a_broken_calibration_is_refused(bad):
     amax = torch.tensor([[1.0, 2.0], [3.0, bad]])
@@ -162,7 +162,7 @@ def _one_ulp_up(t: torch.Tensor, i: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.points(2)
+@pytest.mark.points(3)
 def test_the_cache_tag_changes_with_any_one_scale_by_one_ulp_and_with_the_format():
     k, v = _scales(0)
     tag = cache_tag(FP8_E4M3, k, v)
