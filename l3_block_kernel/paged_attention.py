@@ -37,6 +37,8 @@ KERNEL_HEAD_DIMS = (32, 64, 128)
 KERNEL_BLOCK_SIZES = (8, 16, 32, 64, 128)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # KvDtype in paged_attention.h
+# KvCacheFormat in paged_attention.h: L12's one-byte codes; a cache of any other dtype is in q's (0).
+_CACHE_FORMAT_CODES = {torch.float8_e4m3fn: 1, torch.int8: 2}
 BACKENDS = ("auto", "kernel", "emulated", "cpu", "gather", "reference")
 # Split-K (flash-decoding). Below SPLIT_K_MIN_BLOCKS single-pass thread blocks a GPU has idle SMs
 # (an H100 has 132, each can hold 2 of these blocks); a context of at least two partitions then
@@ -75,13 +77,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if backend in ("kernel", "emulated"):
-        q = q.contiguous()
-        check_alignment(q, k_cache, v_cache)
-        if split_k is None:
-            split_k = use_split_k(q.shape[0], q.shape[1], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1])
-        partition = _check_partition_size(partition_size) if split_k else 0
-        run = load_extension().forward if backend == "kernel" else paged_attention_emulated
-        return run(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, partition)
+        return run_kernel(backend, q, k_cache, v_cache, block_tables, context_lens, scale, split_k, partition_size)
     if backend == "cpu":
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
     if backend == "gather":
@@ -172,25 +168,29 @@ def paged_attention_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out[:, :, 0]  # [S, H, D]
 
 
-def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                        k_scales=None, v_scales=None) -> torch.Tensor:
     """Runs csrc/paged_attention_cpu.cpp on up to torch.get_num_threads() of torch's own OpenMP
     threads (the calling thread alone where it is built without OpenMP). Inputs checked, float32,
-    on the CPU; lengths and block ids are checked in C++ before anything is read."""
+    on the CPU; lengths and block ids are checked in C++ before anything is read. The caches are
+    float32, or L12's fp8/int8 codes with k_scales, v_scales float32 [num_kv_heads] (contiguous)."""
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
     error = load_cpu_kernel().l3_cpu_paged_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        block_tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads())
+        block_tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads(),
+        _CACHE_FORMAT_CODES.get(k_cache.dtype, 0), *_pointers(k_scales, v_scales))
     if error is not None:
         raise InputError(error.decode())
     return out
 
 
-def check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
-    """Shapes, dtypes and devices (no GPU sync); raises InputError (a ValueError) naming what was expected."""
-    _check_pool(q, k_cache, v_cache)
+def check_inputs(q, k_cache, v_cache, block_tables, context_lens, cache_dtype=None) -> None:
+    """Shapes, dtypes and devices (no GPU sync); raises InputError (a ValueError) naming what was expected.
+    The caches must have q's dtype, or cache_dtype where given (L12's one-byte codes)."""
+    _check_pool(q, k_cache, v_cache, cache_dtype)
     num_seqs = q.shape[0]
     _expect(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and len(block_tables) == num_seqs,
             f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks]", block_tables)
@@ -201,13 +201,15 @@ def check_inputs(q, k_cache, v_cache, block_tables, context_lens) -> None:
         _expect(t.device == q.device, f"{name} must be on q's device {q.device}", t)
 
 
-def _check_pool(q, k_cache, v_cache) -> None:
+def _check_pool(q, k_cache, v_cache, cache_dtype=None) -> None:
     _expect(q.dim() == 3 and q.dtype.is_floating_point, "q must be a float [num_seqs, num_heads, head_dim]", q)
     num_heads, head_dim = q.shape[1:]
     _expect(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]", k_cache)
     _expect(v_cache.shape == k_cache.shape, f"v_cache must have k_cache's shape {tuple(k_cache.shape)}", v_cache)
+    dtype = q.dtype if cache_dtype is None else cache_dtype
+    expected = f"q's dtype {q.dtype}" if cache_dtype is None else f"dtype {cache_dtype}"
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _expect(cache.dtype == q.dtype, f"{name} must have q's dtype {q.dtype}", cache)
+        _expect(cache.dtype == dtype, f"{name} must have {expected}", cache)
         _expect(cache.is_contiguous(), f"{name} must be contiguous (the kernel walks its memory)", cache)
     _expect(k_cache.shape[3] == head_dim, f"k_cache must have q's head_dim {head_dim} as its last size", k_cache)
     _expect(num_heads % k_cache.shape[2] == 0,
@@ -264,17 +266,33 @@ def _check_partition_size(partition_size: int) -> int:
 
 
 def check_alignment(q, k_cache, v_cache) -> None:
-    """The widest load a lane issues is head_dim / 32 elements: each base pointer must be aligned to it."""
-    alignment = q.element_size() * q.shape[-1] // 32
+    """The widest load a lane issues is head_dim / 32 elements: each base pointer must be aligned to
+    that many of its own elements (head_dim / 32 bytes for L12's one-byte caches)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        alignment = t.element_size() * t.shape[-1] // 32
         if t.data_ptr() % alignment:
             raise InputError(f"{name} must start on a {alignment}-byte boundary (the kernel loads head_dim / 32 "
                              f"elements at once), got address {t.data_ptr():#x}; pass a fresh tensor or .clone()")
 
 
+def run_kernel(backend, q, k_cache, v_cache, block_tables, context_lens, scale: float, split_k, partition_size,
+               k_scales=None, v_scales=None) -> torch.Tensor:
+    """Backend "kernel" or "emulated" on checked inputs: alignment, the split-K choice, the launch.
+    k_scales, v_scales: float32 [num_kv_heads] for L12's fp8/int8 caches, else None."""
+    q = q.contiguous()
+    check_alignment(q, k_cache, v_cache)
+    if split_k is None:
+        split_k = use_split_k(q.shape[0], q.shape[1], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1])
+    partition = _check_partition_size(partition_size) if split_k else 0
+    run = load_extension().forward if backend == "kernel" else paged_attention_emulated
+    return run(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, partition,
+               k_scales, v_scales)
+
+
 def paged_attention_emulated(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                             partition_size: int = 0) -> torch.Tensor:
-    """Runs csrc/paged_attention.cu on the CPU (see cuda_emulation.h). Inputs checked and contiguous."""
+                             partition_size: int = 0, k_scales=None, v_scales=None) -> torch.Tensor:
+    """Runs csrc/paged_attention.cu on the CPU (see cuda_emulation.h). Inputs checked and contiguous;
+    k_scales, v_scales as in `run_kernel`."""
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
     partial_ml = partial_acc = None
@@ -285,11 +303,16 @@ def paged_attention_emulated(q, k_cache, v_cache, block_tables, context_lens, sc
     error = load_emulation().l3_emulated_paged_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        block_tables.shape[1], scale, _DTYPE_CODES[q.dtype], partition_size,
-        None if partial_ml is None else partial_ml.data_ptr(), None if partial_acc is None else partial_acc.data_ptr())
+        block_tables.shape[1], scale, _DTYPE_CODES[q.dtype], _CACHE_FORMAT_CODES.get(k_cache.dtype, 0),
+        *_pointers(k_scales, v_scales), partition_size, *_pointers(partial_ml, partial_acc))
     if error is not None:
         raise InputError(error.decode())
     return out
+
+
+def _pointers(*tensors):
+    """Each tensor's data pointer for ctypes, None (a null pointer) for None."""
+    return tuple(None if t is None else t.data_ptr() for t in tensors)
 
 
 _fallbacks_reported: set[str] = set()

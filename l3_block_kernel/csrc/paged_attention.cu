@@ -21,6 +21,14 @@
 // reach full bandwidth at batch 1. With partition_size > 0 a third grid dimension cuts each
 // context into partitions; each block writes the partial softmax state of its partition, and a
 // second kernel merges the partitions exactly. The caller (paged_attention.py) picks the path.
+//
+// One-byte caches (L12). k_cache and v_cache may hold fp8 e4m3 or int8 codes instead of q's dtype,
+// each standing for float32(code) * the scale of its KV head. A lane decodes its elements in
+// registers as it loads them, so only the codes cross the memory bus (a quarter of float32's
+// bytes). A thread block serves one KV head, so both scales are constants of the block: the K
+// scale is folded into the pre-scaled query, (q * s_k) . c == q . (c * s_k), and the V scale into
+// the output, s_v * (sum p * c) / l == (sum p * c * s_v) / l. Both equal dequantize-then-attend
+// up to float32 rounding, at two multiplies a row instead of one per element.
 
 #include "paged_attention.h"
 
@@ -29,6 +37,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 // `kernel<<<grid, block, 0, stream>>>(args)` spelled as a macro, so that the CPU emulation
 // (cuda_emulation.h) can run the same launch on host threads.
@@ -59,6 +69,51 @@ constexpr float kLog2e = 1.4426950408889634f;
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// An fp8 e4m3 code: a type of its own, so that overloads and templates tell it from int8.
+struct Fp8E4m3 {
+  uint8_t bits;
+};
+
+// The float a bit pattern stands for, on the GPU and in host code (the CPU emulation) alike.
+__host__ __device__ __forceinline__ float float_from_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+constexpr uint32_t kNanBits = 0x7fc00000u;
+
+// e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, s 1111 111 is NaN. Every
+// value is exact in float32, so the decode is bit moves, not arithmetic that could round.
+__host__ __device__ __forceinline__ float e4m3_to_float(uint8_t bits) {
+  const uint32_t exponent = (bits >> 3) & 0xfu;
+  const uint32_t mantissa = bits & 0x7u;
+  if (exponent == 0xfu && mantissa == 0x7u) return float_from_bits(kNanBits);
+  const float magnitude = exponent == 0
+                              ? float(mantissa) * 0x1p-9f  // subnormal: mantissa * 2^(1 - 7 - 3)
+                              : float_from_bits((exponent + 120u) << 23 | mantissa << 20);  // bias 7 -> 127
+  return bits & 0x80u ? -magnitude : magnitude;
+}
+
+__device__ __forceinline__ float to_float(Fp8E4m3 x) { return e4m3_to_float(x.bits); }
+// Finite values are stored as -127..127; -128 is the code a NaN was stored as.
+__device__ __forceinline__ float to_float(int8_t x) { return x == -128 ? float_from_bits(kNanBits) : float(x); }
+
+// Whether a cache element is a one-byte code, read with its KV head's scale.
+template <typename C>
+constexpr bool kIsCode = std::is_same<C, Fp8E4m3>::value || std::is_same<C, int8_t>::value;
+
+// The scale of a KV head's elements: 1 for a cache in q's dtype, and x * 1 == x, so that path
+// computes exactly what it did before caches had scales.
+template <typename C>
+__device__ __forceinline__ float head_scale(const float* __restrict__ scales, int kv_head) {
+  return kIsCode<C> ? scales[kv_head] : 1.f;
+}
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
@@ -125,9 +180,9 @@ __device__ __forceinline__ void load_query(
 }
 
 // Scores of one tile: s[h][u] = q_h . k_u summed over the warp, -inf where u >= num_valid.
-template <typename T, int HEADS, int ELEMS>
+template <typename C, int HEADS, int ELEMS>
 __device__ __forceinline__ void tile_scores(
-    const float (&q)[HEADS][ELEMS], const Vec<T, ELEMS> (&k)[kTileTokens], int num_valid,
+    const float (&q)[HEADS][ELEMS], const Vec<C, ELEMS> (&k)[kTileTokens], int num_valid,
     float (&s)[HEADS][kTileTokens]) {
 #pragma unroll
   for (int h = 0; h < HEADS; ++h) {
@@ -146,9 +201,9 @@ __device__ __forceinline__ void tile_scores(
 // exp2(m_old - m_new), then add each position's weight p = exp2(s - m_new) and p * v.
 // A masked position has s = -inf, so p = 0, and its v was never loaded (it is zero), so a NaN
 // stored in its slot cannot reach the result: 0 * NaN would be NaN.
-template <typename T, int HEADS, int ELEMS>
+template <typename C, int HEADS, int ELEMS>
 __device__ __forceinline__ void update_state(
-    const float (&s)[HEADS][kTileTokens], const Vec<T, ELEMS> (&v)[kTileTokens],
+    const float (&s)[HEADS][kTileTokens], const Vec<C, ELEMS> (&v)[kTileTokens],
     SoftmaxState<HEADS, ELEMS>& st) {
 #pragma unroll
   for (int h = 0; h < HEADS; ++h) {
@@ -177,25 +232,25 @@ __device__ __forceinline__ void update_state(
 }
 
 // One tile of up to kTileTokens consecutive positions, all in the same KV block.
-template <typename T, int HEADS, int ELEMS>
+template <typename C, int HEADS, int ELEMS>
 __device__ __forceinline__ void attend_tile(
     const float (&q)[HEADS][ELEMS],
-    const T* __restrict__ k_rows,  // the tile's first K row, + lane offset; row u at u * row_stride
-    const T* __restrict__ v_rows,  // the same for V
+    const C* __restrict__ k_rows,  // the tile's first K row, + lane offset; row u at u * row_stride
+    const C* __restrict__ v_rows,  // the same for V
     int64_t row_stride,            // num_kv_heads * head_dim: from one position to the next
     int num_valid,                 // positions of the tile below context_len, 1..kTileTokens
     SoftmaxState<HEADS, ELEMS>& st) {
-  Vec<T, ELEMS> k[kTileTokens];
-  Vec<T, ELEMS> v[kTileTokens];
+  Vec<C, ELEMS> k[kTileTokens];
+  Vec<C, ELEMS> v[kTileTokens];
 #pragma unroll
   for (int u = 0; u < kTileTokens; ++u) {
     // Positions past context_len are not loaded at all: their slots may belong to no one yet.
-    k[u] = u < num_valid ? load_vec<T, ELEMS>(k_rows + u * row_stride) : Vec<T, ELEMS>{};
-    v[u] = u < num_valid ? load_vec<T, ELEMS>(v_rows + u * row_stride) : Vec<T, ELEMS>{};
+    k[u] = u < num_valid ? load_vec<C, ELEMS>(k_rows + u * row_stride) : Vec<C, ELEMS>{};
+    v[u] = u < num_valid ? load_vec<C, ELEMS>(v_rows + u * row_stride) : Vec<C, ELEMS>{};
   }
   float s[HEADS][kTileTokens];
-  tile_scores<T>(q, k, num_valid, s);
-  update_state<T>(s, v, st);
+  tile_scores<C>(q, k, num_valid, s);
+  update_state<C>(s, v, st);
 }
 
 // Merges the warps' states in shared memory. For each of the block's HEADS * HEAD_DIM outputs
@@ -240,9 +295,9 @@ __device__ __forceinline__ void merge_warps(const SoftmaxState<HEADS, ELEMS>& st
 // The warps of a block share the tiles of positions [begin, end): warp w takes the tiles
 // w, w + 8, ... counted from begin. begin is a multiple of kTileTokens, so no tile straddles two
 // KV blocks. Returns each warp's state over its tiles.
-template <typename T, int HEAD_DIM, int HEADS, int ELEMS>
+template <typename C, int HEAD_DIM, int HEADS, int ELEMS>
 __device__ __forceinline__ void attend_positions(
-    const float (&q_reg)[HEADS][ELEMS], const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const float (&q_reg)[HEADS][ELEMS], const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int32_t* __restrict__ block_table,  // [max_blocks_per_seq] of this sequence
     int kv_head, int num_kv_heads, int block_size, int begin, int end, SoftmaxState<HEADS, ELEMS>& state) {
   const int warp = threadIdx.x / kWarpSize;
@@ -254,7 +309,7 @@ __device__ __forceinline__ void attend_positions(
     const int64_t slot = block_id * block_size + start % block_size;  // the course's slot convention
     const int64_t offset = slot * row_stride + kv_head * HEAD_DIM + lane * ELEMS;
     const int num_valid = min(kTileTokens, end - start);
-    attend_tile<T>(q_reg, k_cache + offset, v_cache + offset, row_stride, num_valid, state);
+    attend_tile<C>(q_reg, k_cache + offset, v_cache + offset, row_stride, num_valid, state);
   }
 }
 
@@ -279,29 +334,34 @@ __device__ __forceinline__ BlockPlace place_block(const int32_t* __restrict__ co
   return p;
 }
 
-// What both kernels share: the block's query rows, pre-scaled, against positions [begin, end) of
-// its sequence; leaves each warp's softmax state over its tiles in `state`.
-template <typename T, int HEAD_DIM, int HEADS, int ELEMS>
+// What both kernels share: the block's query rows, pre-scaled (by K's scale too, for codes),
+// against positions [begin, end) of its sequence; leaves each warp's softmax state over its tiles
+// in `state`. The values in it still lack V's scale.
+template <typename T, typename C, int HEAD_DIM, int HEADS, int ELEMS>
 __device__ __forceinline__ void attend_range(
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    const int32_t* __restrict__ block_tables, const BlockPlace& p, int max_blocks_per_seq, int num_kv_heads,
-    int block_size, float scale_log2, int begin, int end, SoftmaxState<HEADS, ELEMS>& state) {
+    const T* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
+    const float* __restrict__ k_scales, const int32_t* __restrict__ block_tables, const BlockPlace& p,
+    int max_blocks_per_seq, int num_kv_heads, int block_size, float scale_log2, int begin, int end,
+    SoftmaxState<HEADS, ELEMS>& state) {
   const int lane = threadIdx.x % kWarpSize;
   float q_reg[HEADS][ELEMS];
-  load_query<T>(q + p.first_row * HEAD_DIM + lane * ELEMS, HEAD_DIM, scale_log2, q_reg);
+  load_query<T>(q + p.first_row * HEAD_DIM + lane * ELEMS, HEAD_DIM,
+                scale_log2 * head_scale<C>(k_scales, p.kv_head), q_reg);
   init_state(state);
-  attend_positions<T, HEAD_DIM>(q_reg, k_cache, v_cache, block_tables + int64_t(p.seq) * max_blocks_per_seq,
+  attend_positions<C, HEAD_DIM>(q_reg, k_cache, v_cache, block_tables + int64_t(p.seq) * max_blocks_per_seq,
                                 p.kv_head, num_kv_heads, block_size, begin, end, state);
 }
 
 // Single pass: grid (num_seqs, num_heads / HEADS_PER_BLOCK); one block reads a sequence's whole
 // context for HEADS_PER_BLOCK query heads and writes their output rows.
-template <typename T, int HEAD_DIM, int HEADS_PER_BLOCK>
+template <typename T, typename C, int HEAD_DIM, int HEADS_PER_BLOCK>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) paged_attention_kernel(
     T* __restrict__ out,                       // [num_seqs, num_heads, HEAD_DIM]
     const T* __restrict__ q,                   // [num_seqs, num_heads, HEAD_DIM]
-    const T* __restrict__ k_cache,             // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
-    const T* __restrict__ v_cache,             // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    const C* __restrict__ k_cache,             // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    const C* __restrict__ v_cache,             // [num_blocks, block_size, num_kv_heads, HEAD_DIM]
+    const float* __restrict__ k_scales,        // [num_kv_heads], codes only (see head_scale)
+    const float* __restrict__ v_scales,        // [num_kv_heads], codes only
     const int32_t* __restrict__ block_tables,  // [num_seqs, max_blocks_per_seq]
     const int32_t* __restrict__ context_lens,  // [num_seqs]
     int num_heads, int num_kv_heads, int block_size, int max_blocks_per_seq,
@@ -310,13 +370,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) pa
   const BlockPlace p = place_block(context_lens, HEADS_PER_BLOCK, num_heads, num_kv_heads,
                                    max_blocks_per_seq * block_size);
   SoftmaxState<HEADS_PER_BLOCK, kElems> state;
-  attend_range<T, HEAD_DIM>(q, k_cache, v_cache, block_tables, p, max_blocks_per_seq, num_kv_heads, block_size,
-                            scale_log2, 0, p.context_len, state);
+  attend_range<T, C, HEAD_DIM>(q, k_cache, v_cache, k_scales, block_tables, p, max_blocks_per_seq, num_kv_heads,
+                               block_size, scale_log2, 0, p.context_len, state);
+  const float v_scale = head_scale<C>(v_scales, p.kv_head);
   T* out_rows = out + p.first_row * HEAD_DIM;  // [HEADS_PER_BLOCK, HEAD_DIM]
   merge_warps<HEAD_DIM>(state, [&](int i, float /*m*/, float l, float o) {
     // l >= 1 when the block saw a position (the warp that holds the max adds exp2(0)); a length
     // of 0 or less gives l = 0, and writes 0 rather than 0 / 0 = NaN.
-    out_rows[i] = from_float<T>(l > 0.f ? o / l : 0.f);
+    out_rows[i] = from_float<T>(l > 0.f ? o / l * v_scale : 0.f);
   });
 }
 
@@ -326,10 +387,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) pa
 //   partial_ml  [num_seqs, num_heads, max_partitions, 2]         (m in log2 units, l)
 //   partial_acc [num_seqs, num_heads, max_partitions, HEAD_DIM]   (o)
 // A partition past the sequence's end returns at once and writes nothing.
-template <typename T, int HEAD_DIM, int HEADS_PER_BLOCK>
+template <typename T, typename C, int HEAD_DIM, int HEADS_PER_BLOCK>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) paged_attention_partition_kernel(
     float* __restrict__ partial_ml, float* __restrict__ partial_acc, const T* __restrict__ q,
-    const T* __restrict__ k_cache, const T* __restrict__ v_cache, const int32_t* __restrict__ block_tables,
+    const C* __restrict__ k_cache, const C* __restrict__ v_cache, const float* __restrict__ k_scales,
+    const float* __restrict__ v_scales, const int32_t* __restrict__ block_tables,
     const int32_t* __restrict__ context_lens, int num_heads, int num_kv_heads, int block_size,
     int max_blocks_per_seq, int partition_size, float scale_log2) {
   constexpr int kElems = HEAD_DIM / kWarpSize;
@@ -339,12 +401,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) pa
   if (begin >= p.context_len) return;  // the whole block leaves before any barrier
   const int end = min(begin + partition_size, p.context_len);
   SoftmaxState<HEADS_PER_BLOCK, kElems> state;
-  attend_range<T, HEAD_DIM>(q, k_cache, v_cache, block_tables, p, max_blocks_per_seq, num_kv_heads, block_size,
-                            scale_log2, begin, end, state);
+  attend_range<T, C, HEAD_DIM>(q, k_cache, v_cache, k_scales, block_tables, p, max_blocks_per_seq, num_kv_heads,
+                               block_size, scale_log2, begin, end, state);
+  // V's scale here: the reduce kernel, which knows no KV head, merges the partitions' o linearly.
+  const float v_scale = head_scale<C>(v_scales, p.kv_head);
   const int max_partitions = gridDim.z;
   merge_warps<HEAD_DIM>(state, [&](int i, float m, float l, float o) {
     const int64_t part = (p.first_row + i / HEAD_DIM) * max_partitions + blockIdx.z;  // [seq, head, z]
-    partial_acc[part * HEAD_DIM + i % HEAD_DIM] = o;
+    partial_acc[part * HEAD_DIM + i % HEAD_DIM] = o * v_scale;
     if (i % HEAD_DIM == 0) {
       partial_ml[part * 2] = m;
       partial_ml[part * 2 + 1] = l;
@@ -381,24 +445,24 @@ int max_partitions(const PagedAttentionArgs& a) {
   return (a.max_blocks_per_seq * a.block_size + a.partition_size - 1) / a.partition_size;
 }
 
-template <typename T, int HEAD_DIM, int HEADS_PER_BLOCK>
+template <typename T, typename C, int HEAD_DIM, int HEADS_PER_BLOCK>
 void launch(const PagedAttentionArgs& a, cudaStream_t stream) {
   T* out = static_cast<T*>(a.out);
   const T* q = static_cast<const T*>(a.q);
-  const T* k_cache = static_cast<const T*>(a.k_cache);
-  const T* v_cache = static_cast<const T*>(a.v_cache);
+  const C* k_cache = static_cast<const C*>(a.k_cache);
+  const C* v_cache = static_cast<const C*>(a.v_cache);
   const float scale_log2 = a.scale * kLog2e;
   if (a.partition_size == 0) {
     const dim3 grid(a.num_seqs, a.num_heads / HEADS_PER_BLOCK);
-    LAUNCH_KERNEL((paged_attention_kernel<T, HEAD_DIM, HEADS_PER_BLOCK>), grid, kThreads, stream)(
-        out, q, k_cache, v_cache, a.block_tables, a.context_lens, a.num_heads, a.num_kv_heads,
-        a.block_size, a.max_blocks_per_seq, scale_log2);
+    LAUNCH_KERNEL((paged_attention_kernel<T, C, HEAD_DIM, HEADS_PER_BLOCK>), grid, kThreads, stream)(
+        out, q, k_cache, v_cache, a.k_scales, a.v_scales, a.block_tables, a.context_lens, a.num_heads,
+        a.num_kv_heads, a.block_size, a.max_blocks_per_seq, scale_log2);
     return;
   }
   const dim3 grid(a.num_seqs, a.num_heads / HEADS_PER_BLOCK, max_partitions(a));
-  LAUNCH_KERNEL((paged_attention_partition_kernel<T, HEAD_DIM, HEADS_PER_BLOCK>), grid, kThreads, stream)(
-      a.partial_ml, a.partial_acc, q, k_cache, v_cache, a.block_tables, a.context_lens, a.num_heads,
-      a.num_kv_heads, a.block_size, a.max_blocks_per_seq, a.partition_size, scale_log2);
+  LAUNCH_KERNEL((paged_attention_partition_kernel<T, C, HEAD_DIM, HEADS_PER_BLOCK>), grid, kThreads, stream)(
+      a.partial_ml, a.partial_acc, q, k_cache, v_cache, a.k_scales, a.v_scales, a.block_tables, a.context_lens,
+      a.num_heads, a.num_kv_heads, a.block_size, a.max_blocks_per_seq, a.partition_size, scale_log2);
   LAUNCH_KERNEL((paged_attention_reduce_kernel<T, HEAD_DIM>), dim3(a.num_seqs, a.num_heads), HEAD_DIM, stream)(
       out, a.partial_ml, a.partial_acc, a.context_lens, a.max_blocks_per_seq * a.block_size, max_partitions(a),
       a.partition_size);
@@ -406,25 +470,45 @@ void launch(const PagedAttentionArgs& a, cudaStream_t stream) {
 
 // A block serves the largest of 8, 4, 2, 1 query heads that divides the GQA group. Groups of
 // 1, 2, 4 and 8 are served whole; a group of 6 takes 3 blocks of 2 heads, each reading the KV.
-template <typename T, int HEAD_DIM>
+template <typename T, typename C, int HEAD_DIM>
 void launch_for_group(const PagedAttentionArgs& a, cudaStream_t stream) {
   const int group = a.num_heads / a.num_kv_heads;
-  if (group % 8 == 0) return launch<T, HEAD_DIM, 8>(a, stream);
-  if (group % 4 == 0) return launch<T, HEAD_DIM, 4>(a, stream);
-  if (group % 2 == 0) return launch<T, HEAD_DIM, 2>(a, stream);
-  return launch<T, HEAD_DIM, 1>(a, stream);
+  if (group % 8 == 0) return launch<T, C, HEAD_DIM, 8>(a, stream);
+  if (group % 4 == 0) return launch<T, C, HEAD_DIM, 4>(a, stream);
+  if (group % 2 == 0) return launch<T, C, HEAD_DIM, 2>(a, stream);
+  return launch<T, C, HEAD_DIM, 1>(a, stream);
 }
 
-template <typename T>
+// NOTE: every (dtype, cache format, head_dim, group) is a kernel of its own: 189 of them, which
+// nvcc compiles one by one. PAGED_ATTENTION_COMPILE_CHECK instantiates head_dim 128 only (every
+// dtype, format and group still), for a test that checks the source compiles, not for running.
+template <typename T, typename C>
 void launch_for_head_dim(const PagedAttentionArgs& a, cudaStream_t stream) {
   switch (a.head_dim) {
-    case 32: return launch_for_group<T, 32>(a, stream);
-    case 64: return launch_for_group<T, 64>(a, stream);
-    case 128: return launch_for_group<T, 128>(a, stream);
+#ifndef PAGED_ATTENTION_COMPILE_CHECK
+    case 32: return launch_for_group<T, C, 32>(a, stream);
+    case 64: return launch_for_group<T, C, 64>(a, stream);
+#endif
+    case 128: return launch_for_group<T, C, 128>(a, stream);
+  }
+}
+
+// One-byte caches are read with a float32 (CPU emulation, tests) or bfloat16 (GPU) query only:
+// float16 queries with them would add kernels no engine of the course runs.
+template <typename T>
+void launch_for_cache(const PagedAttentionArgs& a, cudaStream_t stream) {
+  switch (a.cache_format) {
+    case KvCacheFormat::kSameAsQuery: return launch_for_head_dim<T, T>(a, stream);
+    case KvCacheFormat::kFp8E4m3: return launch_for_head_dim<T, Fp8E4m3>(a, stream);
+    case KvCacheFormat::kInt8: return launch_for_head_dim<T, int8_t>(a, stream);
   }
 }
 
 int element_bytes(KvDtype dtype) { return dtype == KvDtype::kFloat32 ? 4 : 2; }
+
+int cache_element_bytes(const PagedAttentionArgs& a) {
+  return a.cache_format == KvCacheFormat::kSameAsQuery ? element_bytes(a.dtype) : 1;
+}
 
 const char* check_args(const PagedAttentionArgs& a) {
   if (a.num_seqs < 0 || a.num_heads <= 0 || a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads) {
@@ -435,6 +519,16 @@ const char* check_args(const PagedAttentionArgs& a) {
   }
   if (a.dtype != KvDtype::kFloat32 && a.dtype != KvDtype::kFloat16 && a.dtype != KvDtype::kBFloat16) {
     return "paged_attention: dtype must be float32, float16 or bfloat16";
+  }
+  if (a.cache_format != KvCacheFormat::kSameAsQuery && a.cache_format != KvCacheFormat::kFp8E4m3 &&
+      a.cache_format != KvCacheFormat::kInt8) {
+    return "paged_attention: cache_format must be kSameAsQuery, kFp8E4m3 or kInt8";
+  }
+  if (a.cache_format != KvCacheFormat::kSameAsQuery && (a.k_scales == nullptr || a.v_scales == nullptr)) {
+    return "paged_attention: an fp8 or int8 cache needs k_scales and v_scales";
+  }
+  if (a.cache_format != KvCacheFormat::kSameAsQuery && a.dtype == KvDtype::kFloat16) {
+    return "paged_attention: an fp8 or int8 cache is read with a float32 or bfloat16 query, not float16";
   }
   const bool power_of_two = (a.block_size & (a.block_size - 1)) == 0;
   if (!power_of_two || a.block_size < kMinBlockSize || a.block_size > kMaxBlockSize) {
@@ -449,12 +543,14 @@ const char* check_args(const PagedAttentionArgs& a) {
   }
   // The widest load is one lane's Vec: head_dim / 32 elements. Every row starts head_dim elements
   // after the previous one, so an aligned base pointer aligns every row.
-  const uintptr_t alignment = uintptr_t(element_bytes(a.dtype)) * (a.head_dim / kWarpSize);
-  for (const void* p : {static_cast<const void*>(a.out), a.q, a.k_cache, a.v_cache}) {
-    if (reinterpret_cast<uintptr_t>(p) % alignment) {
-      return "paged_attention: out, q, k_cache and v_cache must start on a multiple of "
-             "(element size * head_dim / 32) bytes";
-    }
+  const auto misaligned = [&](const void* p, int element_size) {
+    return reinterpret_cast<uintptr_t>(p) % (uintptr_t(element_size) * (a.head_dim / kWarpSize)) != 0;
+  };
+  const int io_bytes = element_bytes(a.dtype), cache_bytes = cache_element_bytes(a);
+  if (misaligned(a.out, io_bytes) || misaligned(a.q, io_bytes) || misaligned(a.k_cache, cache_bytes) ||
+      misaligned(a.v_cache, cache_bytes)) {
+    return "paged_attention: out, q, k_cache and v_cache must start on a multiple of "
+           "(their element size * head_dim / 32) bytes";
   }
   return nullptr;
 }
@@ -465,9 +561,9 @@ const char* paged_attention_launch(const PagedAttentionArgs& args, cudaStream_t 
   if (const char* error = check_args(args)) return error;
   if (args.num_seqs == 0) return nullptr;  // an empty batch: nothing to launch
   switch (args.dtype) {
-    case KvDtype::kFloat32: launch_for_head_dim<float>(args, stream); break;
-    case KvDtype::kFloat16: launch_for_head_dim<__half>(args, stream); break;
-    case KvDtype::kBFloat16: launch_for_head_dim<__nv_bfloat16>(args, stream); break;
+    case KvDtype::kFloat32: launch_for_cache<float>(args, stream); break;
+    case KvDtype::kFloat16: launch_for_head_dim<__half, __half>(args, stream); break;
+    case KvDtype::kBFloat16: launch_for_cache<__nv_bfloat16>(args, stream); break;
   }
   const cudaError_t error = cudaGetLastError();
   return error == cudaSuccess ? nullptr : cudaGetErrorString(error);

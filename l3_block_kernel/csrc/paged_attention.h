@@ -15,6 +15,10 @@
 #include <cuda_runtime.h>
 
 enum class KvDtype { kFloat32, kFloat16, kBFloat16 };
+// What k_cache and v_cache hold. kSameAsQuery: elements in `dtype`, like q. kFp8E4m3, kInt8 (L12):
+// one-byte codes, read as the value float32(code) * scale of the element's KV head; the int8 code
+// -128 and fp8's NaN code read as NaN.
+enum class KvCacheFormat { kSameAsQuery = 0, kFp8E4m3 = 1, kInt8 = 2 };
 
 // Every tensor is contiguous and row-major; every pointer is on the device.
 struct PagedAttentionArgs {
@@ -33,7 +37,10 @@ struct PagedAttentionArgs {
   int block_size;               // a power of two from 8 to 128
   int max_blocks_per_seq;
   float scale;                  // softmax scale, usually 1 / sqrt(head_dim)
-  KvDtype dtype;                // of out, q, k_cache and v_cache alike
+  KvDtype dtype;                // of out and q, and of k_cache and v_cache for kSameAsQuery
+  KvCacheFormat cache_format;
+  const float* k_scales;        // [num_kv_heads]: one-byte formats only, else nullptr
+  const float* v_scales;        // [num_kv_heads]: one-byte formats only, else nullptr
   // Split-K: 0 runs the single-pass kernel; a positive multiple of 8 cuts every context into
   // partitions of that many positions, and then the two float32 buffers below must hold
   // num_seqs * num_heads * max_partitions * {2, head_dim} elements, with
@@ -45,5 +52,6 @@ struct PagedAttentionArgs {
 
 // Queues the kernel on `stream`. Returns nullptr on success, else a static one-line message
 // (an unsupported size, a misaligned pointer, or the CUDA launch error).
-// Pointers must be aligned to element size * head_dim / 32 bytes, the widest load a lane issues.
+// Pointers must be aligned to their element size * head_dim / 32 bytes, the widest load a lane
+// issues (head_dim / 32 bytes for a one-byte cache).
 const char* paged_attention_launch(const PagedAttentionArgs& args, cudaStream_t stream);

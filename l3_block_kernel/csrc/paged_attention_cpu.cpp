@@ -14,11 +14,17 @@
 //
 // Returns nullptr, or a message naming the first bad length or block id (checked before any
 // thread starts, so a bad table never reads outside the pool).
+//
+// One-byte caches (L12): k_cache and v_cache may hold fp8 e4m3 or int8 codes, each standing for
+// float32(code) * the scale of its KV head (int8's -128 and fp8's NaN code stand for NaN). q and
+// out stay float32.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -35,13 +41,59 @@ constexpr int64_t kMinKeysPerThread = 1 << 16;  // 256 KB of keys (and as much o
 struct Args {
   float* out;
   const float* q;
-  const float* k_cache;
-  const float* v_cache;
+  const void* k_cache;  // float32, or the codes of a KvCacheFormat
+  const void* v_cache;
   const int32_t* block_tables;
   const int32_t* context_lens;
   int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   float scale;
+  const float* k_scales;  // [num_kv_heads], codes only
+  const float* v_scales;
 };
+
+// The cache formats of paged_attention.h's KvCacheFormat: 0 float32 (q's dtype here), 1, 2 codes.
+enum CacheFormat { kFloat32 = 0, kFp8E4m3 = 1, kInt8 = 2 };
+
+struct Fp8E4m3 {
+  uint8_t bits;
+};
+
+// e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities, s 1111 111 is NaN.
+float e4m3_to_float(uint8_t bits) {
+  const int exponent = (bits >> 3) & 0xf, mantissa = bits & 0x7;
+  if (exponent == 0xf && mantissa == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  const float magnitude = exponent == 0 ? std::ldexp(float(mantissa), -9)           // subnormal
+                                        : std::ldexp(float(8 + mantissa), exponent - 10);  // (1 + m/8) 2^(e-7)
+  return bits & 0x80 ? -magnitude : magnitude;
+}
+
+// All 256 codes decoded once: a table lookup per element in the hot loop.
+const std::array<float, 256> kE4m3Values = [] {
+  std::array<float, 256> values;
+  for (int bits = 0; bits < 256; ++bits) values[bits] = e4m3_to_float(uint8_t(bits));
+  return values;
+}();
+
+float to_float(Fp8E4m3 x) { return kE4m3Values[x.bits]; }
+float to_float(int8_t x) { return x == -128 ? std::numeric_limits<float>::quiet_NaN() : float(x); }
+
+// The K (or V) rows of one position for KV heads [h0, h0 + heads), as floats. A float32 cache is
+// read in place. Codes are dequantized into `buffer`, float32(code) * scale exactly as L12's
+// dequantize computes it, once per row for all the G query heads that read it: the dot products
+// and updates below then run on floats as for a float32 cache (scales folded into q and the
+// output instead would need the same per-element conversion, and differ from dequantize in the
+// last bit).
+const float* rows_as_float(const float* rows, const float* /*scales*/, int /*heads*/, int /*D*/, float* /*buffer*/) {
+  return rows;
+}
+
+template <typename C>
+const float* rows_as_float(const C* rows, const float* scales, int heads, int D, float* buffer) {
+  for (int h = 0; h < heads; ++h) {
+    for (int i = 0; i < D; ++i) buffer[h * D + i] = to_float(rows[h * D + i]) * scales[h];
+  }
+  return buffer;
+}
 
 float dot(const float* a, const float* b, int n) {
   float partial[8] = {};
@@ -59,8 +111,9 @@ float dot(const float* a, const float* b, int n) {
 // Per position the item reads the heads' key rows as one contiguous run (a position's H_kv rows
 // lie side by side in a block), which the hardware prefetcher follows; one item per head would
 // jump a whole position row between reads.
-// scratch: per head, G * D scaled queries, G * D accumulators, G * block_size scores, and G running
-// maxima and G running sums.
+// scratch: per head, G * D scaled queries, G * D accumulators, G * block_size scores, G running
+// maxima, G running sums, and D floats for a dequantized row (codes only).
+template <typename C>
 void attend_item(const Args& a, int seq, int h0, int h1, std::vector<float>& scratch) {
   const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
   const int64_t row_stride = int64_t(a.num_kv_heads) * D;  // one position of one block
@@ -70,6 +123,10 @@ void attend_item(const Args& a, int seq, int h0, int h1, std::vector<float>& scr
   float* scores = acc + rows * D;
   float* m = scores + rows * bs;
   float* l = m + rows;
+  float* dequantized = l + rows;  // [heads, D]
+  constexpr bool codes = !std::is_same<C, float>::value;  // a float32 cache has no scales (null)
+  const float* k_scales = codes ? a.k_scales + h0 : nullptr;
+  const float* v_scales = codes ? a.v_scales + h0 : nullptr;
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.0f);
   const float* q = a.q + (int64_t(seq) * a.num_heads + int64_t(h0) * G) * D;
@@ -80,10 +137,11 @@ void attend_item(const Args& a, int seq, int h0, int h1, std::vector<float>& scr
   const int32_t* table = a.block_tables + int64_t(seq) * a.max_blocks;
   for (int j = 0; j * bs < len; ++j) {
     const int n = std::min(bs, len - j * bs);  // positions of this block in use
-    const float* k_block = a.k_cache + int64_t(table[j]) * bs * row_stride + int64_t(h0) * D;
-    const float* v_block = a.v_cache + int64_t(table[j]) * bs * row_stride + int64_t(h0) * D;
+    const C* k_block = static_cast<const C*>(a.k_cache) + int64_t(table[j]) * bs * row_stride + int64_t(h0) * D;
+    const C* v_block = static_cast<const C*>(a.v_cache) + int64_t(table[j]) * bs * row_stride + int64_t(h0) * D;
     for (int t = 0; t < n; ++t) {
-      for (int r = 0; r < rows; ++r) scores[r * bs + t] = dot(qs + r * D, k_block + t * row_stride + (r / G) * D, D);
+      const float* k = rows_as_float(k_block + t * row_stride, k_scales, heads, D, dequantized);
+      for (int r = 0; r < rows; ++r) scores[r * bs + t] = dot(qs + r * D, k + (r / G) * D, D);
     }
     for (int r = 0; r < rows; ++r) {
       float* s = scores + r * bs;
@@ -99,9 +157,10 @@ void attend_item(const Args& a, int seq, int h0, int h1, std::vector<float>& scr
       m[r] = m_new;
     }
     for (int t = 0; t < n; ++t) {
+      const float* v_rows = rows_as_float(v_block + t * row_stride, v_scales, heads, D, dequantized);
       for (int r = 0; r < rows; ++r) {
         const float p = scores[r * bs + t];
-        const float* v = v_block + t * row_stride + (r / G) * D;
+        const float* v = v_rows + (r / G) * D;
         float* acc_r = acc + r * D;
         for (int i = 0; i < D; ++i) acc_r[i] += p * v[i];
       }
@@ -140,13 +199,22 @@ const char* check_tables(const Args& a, int num_blocks) {
 
 }  // namespace
 
+// cache_format: 0 for float32 caches (k_scales, v_scales unused), 1 fp8 e4m3, 2 int8 codes.
 extern "C" const char* l3_cpu_paged_attention(
-    float* out, const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
+    float* out, const float* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
     const int32_t* context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, int max_blocks, int num_blocks, float scale, int num_threads) {
+    int block_size, int max_blocks, int num_blocks, float scale, int num_threads,
+    int cache_format, const float* k_scales, const float* v_scales) {
   const Args a{out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
-               num_kv_heads, head_dim, block_size, max_blocks, scale};
+               num_kv_heads, head_dim, block_size, max_blocks, scale, k_scales, v_scales};
   if (num_heads % num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
+  void (*attend)(const Args&, int, int, int, std::vector<float>&) =
+      cache_format == kFloat32 ? attend_item<float> : cache_format == kFp8E4m3 ? attend_item<Fp8E4m3>
+      : cache_format == kInt8 ? attend_item<int8_t> : nullptr;
+  if (attend == nullptr) return "cache_format must be 0 (float32), 1 (fp8 e4m3) or 2 (int8)";
+  if (cache_format != kFloat32 && (k_scales == nullptr || v_scales == nullptr)) {
+    return "an fp8 or int8 cache needs k_scales and v_scales";
+  }
   if (const char* error = check_tables(a, num_blocks)) return error;
 
   // Handing work to other threads costs microseconds: a small call (a tiny model, short contexts)
@@ -161,7 +229,7 @@ extern "C" const char* l3_cpu_paged_attention(
   const int heads_per_part = (num_kv_heads + parts - 1) / parts;
   const int items = num_seqs * parts;
   const size_t scratch_floats =  // see attend_item
-      size_t(heads_per_part) * (num_heads / num_kv_heads) * (2 * head_dim + block_size + 2);
+      size_t(heads_per_part) * ((num_heads / num_kv_heads) * (2 * head_dim + block_size + 2) + head_dim);
   // The workers are torch's own intra-op threads when built with -fopenmp (see kernel_build.py):
   // between two matrix products they are already running or waiting for work, where threads of
   // our own would have to be started and would compete with them for the cores.
@@ -170,7 +238,7 @@ extern "C" const char* l3_cpu_paged_attention(
     std::vector<float> scratch(scratch_floats);
     for (int item = omp_get_thread_num(); item < items; item += omp_get_num_threads()) {
       const int h0 = (item % parts) * heads_per_part, h1 = std::min(num_kv_heads, h0 + heads_per_part);
-      if (h0 < h1) attend_item(a, item / parts, h0, h1, scratch);
+      if (h0 < h1) attend(a, item / parts, h0, h1, scratch);
     }
   }
   return nullptr;
