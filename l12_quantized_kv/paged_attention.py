@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from l1_contiguous import InputError
-from l3_block_kernel.paged_attention import (SPLIT_K_PARTITION, _expect, _pick_backend, check_inputs,
-                                             check_table_values, paged_attention_cpu, paged_attention_gather,
-                                             paged_attention_reference, run_kernel)
+from l3_block_kernel.paged_attention import (SPLIT_K_PARTITION, _expect, check_inputs, paged_attention_cpu,
+                                             paged_attention_gather, paged_attention_reference, resolve_call,
+                                             run_kernel)
 
 from .quantize import FORMATS, dequantize
 
@@ -61,10 +61,7 @@ def paged_attention_quantized(q: torch.Tensor, k_codes: torch.Tensor, v_codes: t
         if (check_values or not q.is_cuda) and not bool((torch.isfinite(scales) & (scales > 0)).all()):
             raise InputError(f"{name} must be finite and > 0 (a scale of 0 or NaN makes every code of its head "
                              f"0 or NaN), got {scales.tolist()}; recalibrate or use scales_from_amax")
-    backend = _pick_backend(backend, q, k_codes)
-    if backend == "emulated" or (check_values and backend != "cpu"):  # cpu checks them in C++
-        check_table_values(k_codes, block_tables, context_lens)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    backend, scale = resolve_call(q, k_codes, block_tables, context_lens, backend, check_values, scale)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if backend in ("kernel", "emulated"):

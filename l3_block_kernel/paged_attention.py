@@ -70,10 +70,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     False forces split-K (partitions of partition_size positions, a multiple of 8) or the single pass.
     """
     check_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    backend = _pick_backend(backend, q, k_cache)
-    if backend == "emulated" or (check_values and backend != "cpu"):  # cpu checks them in C++
-        check_table_values(k_cache, block_tables, context_lens)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    backend, scale = resolve_call(q, k_cache, block_tables, context_lens, backend, check_values, scale)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if backend in ("kernel", "emulated"):
@@ -83,6 +80,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if backend == "gather":
         return paged_attention_gather(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def resolve_call(q, k_cache, block_tables, context_lens, backend: str, check_values: bool, scale):
+    """The backend a checked call runs on (after the table checks it needs) and its softmax scale."""
+    backend = _pick_backend(backend, q, k_cache)
+    if backend == "emulated" or (check_values and backend != "cpu"):  # cpu checks them in C++
+        check_table_values(k_cache, block_tables, context_lens)
+    return backend, q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

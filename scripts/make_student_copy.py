@@ -43,9 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-LESSON_PACKAGES = {"l1_contiguous": "L1", "l2_paged": "L2", "l3_block_kernel": "L3",
-                   "l5_eviction": "L5", "l8_prefix": "L8", "l10_speculative": "L10",
-                   "l11_serve": "L11"}
+# Every `lN_<name>/` package at the root is a lesson (harness/grading.py reads the same rule):
+# {"l1_contiguous": "L1", ...}. A new lesson's fences are replaced without editing this script.
+LESSON_PACKAGES = {p.parent.name: p.parent.name.split("_")[0].upper()
+                   for p in sorted(REPO_ROOT.glob("l[0-9]*_*/__init__.py"),
+                                   key=lambda p: int(p.parent.name[1:].split("_")[0]))}
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 MARKER = ".student-copy"  # written into every copy, with the files written: --force updates only those
 MARKER_HEADER = "made by scripts/make_student_copy.py; --force replaces the files listed below and keeps the rest\n"
