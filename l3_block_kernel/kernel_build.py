@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,26 +81,31 @@ CPU_KERNEL_OPTIONAL_FLAGS = ("-fopenmp",) if _torch_runs_on_gnu_openmp() else ()
 
 
 class BuildOnce:
-    """Calls `build` the first time, then returns its result, or raises its error again."""
+    """Calls `build` the first time, then returns its result, or raises its error again. Thread-safe:
+    a second caller waits for the build in progress (a server's threads, a build started early in
+    the background) instead of starting its own."""
 
     def __init__(self, build):
         self._build = build
         self._result = None
         self._error: InputError | None = None
+        self._lock = threading.Lock()
 
     def __call__(self):
-        if self._error is not None:
-            raise self._error
-        if self._result is None:
-            try:
-                self._result = self._build()
-            except InputError as exc:
-                self._error = exc
-                raise
-        return self._result
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._result is None:
+                try:
+                    self._result = self._build()
+                except InputError as exc:
+                    self._error = exc
+                    raise
+            return self._result
 
     def cache_clear(self) -> None:
-        self._result, self._error = None, None
+        with self._lock:
+            self._result, self._error = None, None
 
 
 # ---------------------------------------------------------------- the CUDA extension

@@ -26,6 +26,14 @@ settings.register_profile("grading", derandomize=True, database=None,
 settings.load_profile("default-derandomized")
 
 
+def pytest_collection_finish(session):
+    """Start the compiles the selected tests will wait for (tests/prebuild.py)."""
+    if not session.config.option.collectonly and session.items:
+        import prebuild
+
+        prebuild.start([item.nodeid for item in session.items])
+
+
 def pytest_addoption(parser):
     parser.addoption("--allocator-class", default="l2_paged.allocator:BlockAllocator", metavar="MODULE:CLASS",
                      help="the allocator the L2 allocator tests run against (L2 exercise 3)")

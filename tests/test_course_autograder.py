@@ -210,7 +210,7 @@ def test_a_syntax_error_and_an_endless_loop_cost_only_the_tests_that_meet_them(b
     edits = {"l8_prefix/cow.py": ("def ", "def def ", ),
              "l2_paged/meta.py": ("    # BEGIN SOLUTION\n", "    # BEGIN SOLUTION\n    while True:\n        pass\n")}
     results = run_bundle(bundle, submit(tmp_path, ROOT, edits=edits), tmp_path,
-                         select=f"{FAST} tests/test_l8_blocks.py", test_timeout=8)
+                         select=f"{FAST} tests/test_l8_blocks.py", test_timeout=5)
     lost = failed(results)
     l8 = [t for t in results["tests"] if t["name"].startswith("tests/test_l8_blocks.py")]
     assert l8 and all(t["score"] == 0 for t in l8)

@@ -86,7 +86,7 @@ def test_unbalanced_or_nested_fences_are_errors_naming_file_and_line(tool, sourc
 
 # ---------------------------------------------------------------- the copy of this repository
 
-def test_copy_has_no_fenced_region_left_and_compiles(student_copy):
+def test_copy_has_no_fenced_region_left_and_compiles(tool, student_copy):
     stubs = 0
     assert len(tool.LESSON_PACKAGES) >= 8 and "l12_quantized_kv" in tool.LESSON_PACKAGES
     for package in tool.LESSON_PACKAGES:

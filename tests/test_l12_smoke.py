@@ -21,13 +21,18 @@ def test_default_run_passes_and_reports_the_accuracy_cost(capsys):
     assert cost["positions"] > 500 and 0.9 < cost["top1_agreement"] < 1 and 0 < cost["kl_mean"] < 0.01
 
 
-def test_int8_with_swap_and_sharing_off_passes(capsys):
+def test_int8_with_preemption_by_swap_passes(capsys):
     status, report, _ = run_script_json("l12_smoke", ["--kv-format", "int8", "--scales", "tensor", "--num-blocks", "12",
-                                                      "--preempt", "swap", "--prefix-sharing", "off",
-                                                      "--max-new-tokens", "12", "--no-accuracy"], capsys)
+                                                      "--preempt", "swap", "--no-accuracy"], capsys)
     assert status == 0 and report["match"] is True
     assert report["preempted_swap"] > 0 and report["all_blocks_free_at_end"]
     assert "accuracy_vs_float32" not in report
+
+
+def test_sharing_off_passes(capsys):
+    status, report, _ = run_script_json("l12_smoke", ["--prefix-sharing", "off", "--max-new-tokens", "8",
+                                                      "--no-accuracy"], capsys)
+    assert status == 0 and report["match"] is True and report["prefix_hit_tokens"] == 0
 
 
 @pytest.mark.parametrize("argv, message", [

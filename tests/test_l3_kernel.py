@@ -10,11 +10,11 @@ C++20 compiler) and, where CUDA exists, on the GPU as well (backend "kernel").
 from __future__ import annotations
 
 import importlib
-import shutil
 import subprocess
 import time
 import warnings
 
+import prebuild
 import pytest
 import torch
 
@@ -342,24 +342,26 @@ def test_kernel_source_is_plain_cuda():
     assert len(launches) == 1 and launches[0].startswith("#define LAUNCH_KERNEL"), launches
 
 
-def _compile(tmp_path, archs, *flags):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
+def _compile(tmp_path, archs, *flags, started: subprocess.Popen | None = None):
+    command = prebuild.nvcc_command(tmp_path / "paged_attention.o", archs, *flags)
+    if command is None:
         pytest.skip("nvcc is not on PATH: install the CUDA toolkit to compile-check the kernel")
-    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    command = [nvcc, "-c", "-std=c++17", "-O3", "--threads", "0", *flags, str(KERNEL_SOURCE),
-               "-o", str(tmp_path / "paged_attention.o"), *gencode]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "warning" not in result.stderr.lower(), result.stderr[-4000:]
+    if started is not None:  # began with the session (tests/prebuild.py): collect its result
+        output, returncode = started.communicate(timeout=900)[0], started.returncode
+    else:
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+        output, returncode = result.stdout, result.returncode
+    assert returncode == 0, output[-4000:]
+    assert "warning" not in output.lower(), output[-4000:]
 
 
 def test_kernel_compiles_for_the_oldest_supported_arch(tmp_path):
     """Turing (T4), the oldest: no native bf16 arithmetic, the arch most likely to reject an
     intrinsic. Head_dim 128 only (PAGED_ATTENTION_COMPILE_CHECK: every dtype, L12's cache formats
     and group size, 63 kernels; the other head dims differ only in constants, and the emulation
-    build compiles all of them): about 45 s on 2 idle cores. The kernel itself ran on an H100."""
-    _compile(tmp_path, ["75"], "-DPAGED_ATTENTION_COMPILE_CHECK")
+    build compiles all of them): about 50 s on 2 idle cores, started with the session beside the
+    other tests. The kernel itself ran on an H100."""
+    _compile(tmp_path, *prebuild.OLDEST_ARCH_CHECK, started=prebuild.take_nvcc_check())
 
 
 @pytest.mark.slow

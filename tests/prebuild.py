@@ -1,0 +1,68 @@
+"""Compiles that tests wait for, started when the session starts instead of inside the first test
+that needs them. The tests run one torch thread each (mostly), so on a 2-core machine a compiler
+running beside them costs little wall time: g++ builds L3's CPU kernel and the kernel's emulation
+(cached on disk, then reused by every later process), and nvcc compile-checks the CUDA source for
+`test_kernel_compiles_for_the_oldest_supported_arch`, which then only collects the result.
+Only what the selected tests need is started: a student's `make check-l1` starts nothing."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from l3_block_kernel.kernel_build import KERNEL_SOURCE, load_cpu_kernel, load_emulation
+
+NVCC_CHECK = "tests/test_l3_kernel.py::test_kernel_compiles_for_the_oldest_supported_arch"
+# Files whose tests run the kernel's emulation; and every engine lesson's, which decode on the CPU kernel.
+EMULATION_USERS = ("tests/test_l3_", "tests/test_l12_kernel.py", "tests/test_reliability_cli.py")
+CPU_KERNEL_USERS = ("tests/test_l5_", "tests/test_l8_", "tests/test_l10_", "tests/test_l11_", "tests/test_l12_",
+                    "tests/test_bench", "tests/test_bf16")
+
+_nvcc: tuple[subprocess.Popen, Path] | None = None
+
+
+def nvcc_command(out: Path, archs: list[str], *flags: str) -> list[str] | None:
+    """The compile check's nvcc call (None without nvcc)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    return [nvcc, "-c", "-std=c++17", "-O3", "--threads", "0", *flags, str(KERNEL_SOURCE), "-o", str(out), *gencode]
+
+
+OLDEST_ARCH_CHECK = (["75"], "-DPAGED_ATTENTION_COMPILE_CHECK")
+
+
+def start(nodeids: list[str]) -> None:
+    global _nvcc
+    files = {n.split("::")[0] for n in nodeids}
+    builds = []
+    if any(f.startswith(EMULATION_USERS) for f in files):
+        builds.append(load_emulation)
+    if builds or any(f.startswith(CPU_KERNEL_USERS) for f in files):
+        builds.insert(0, load_cpu_kernel)
+    if builds:
+        threading.Thread(target=_build_all, args=(builds,), daemon=True, name="prebuild").start()
+    if NVCC_CHECK in nodeids:
+        out = Path(tempfile.mkdtemp(prefix="nvcc-check-")) / "paged_attention.o"
+        command = nvcc_command(out, *OLDEST_ARCH_CHECK)
+        if command is not None:
+            _nvcc = (subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
+
+
+def _build_all(builds) -> None:
+    for build in builds:
+        try:
+            build()
+        except Exception:  # the test that needs it calls it again and gets the same error (BuildOnce)
+            pass
+
+
+def take_nvcc_check() -> subprocess.Popen | None:
+    """The oldest-arch compile check started at the session's start, if any (once)."""
+    global _nvcc
+    started, _nvcc = _nvcc, None
+    return None if started is None else started[0]
