@@ -27,7 +27,7 @@ run: setup          ## every lesson's smoke script: PASS lines
 	@for s in scripts/l*_smoke.py; do echo "== $$s"; $(PY) $$s || exit 1; done
 
 test: setup         ## the whole graded suite (notebooks included), score table per lesson
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 $(addprefix smoke-,$(LESSONS)): smoke-%: setup   ## one lesson's smoke script: make smoke-l2
 	$(PY) scripts/$*_smoke.py
