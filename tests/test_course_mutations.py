@@ -62,7 +62,7 @@ MUTATIONS = [
         "l1_contiguous/model.py",
         "x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)",
         "x32 * (torch.rsqrt(x32.pow(2).mean(-1, keepdim=True)) + self.eps)",
-        ("tests/test_l1_model.py", "-k", "rmsnorm"),
+        ("tests/test_l1_model.py", "-k", "rmsnorm"), slow=True,
     ),
     Mutation(
         "L2 free has no double-free check",
@@ -190,7 +190,7 @@ MUTATIONS = [
         "l11_serve/stops.py",
         "            if text.endswith(REPLACEMENT):\n                continue  # half a character: decide when the rest arrives\n",
         "",
-        ("tests/test_l11_stops.py",),
+        ("tests/test_l11_stops.py",), slow=True,
     ),
     # Our own: one more plausible bug for each function that had none (issue 37), each verified to
     # fail and lose at least half its function's points; they run with --run-slow (make test's budget).
@@ -227,7 +227,7 @@ MUTATIONS = [
         "l3_block_kernel/block_table.py",
         "    rows = [r.blocks + [0] * (width - len(r.blocks)) for r in reqs]\n",
         "    rows = [r.blocks + [-1] * (width - len(r.blocks)) for r in reqs]\n",
-        ("tests/test_l3_model.py", "-k", "tables"),
+        ("tests/test_l3_model.py", "-k", "tables"), slow=True,
     ),
     Mutation(
         "L5 swap_in restores the blocks but leaves the request swapped",
@@ -308,7 +308,7 @@ MUTATIONS = [
         "l10_speculative/drafters.py",
         "        for start in range(len(tokens) - n - 1, -1, -1):  # most recent first\n",
         "        for start in range(len(tokens) - n):\n",
-        ("tests/test_l10_acceptance.py", "-k", "ngram"),
+        ("tests/test_l10_acceptance.py", "-k", "ngram"), slow=True,
     ),
     Mutation(
         "L10 accept_greedy drops the target's own token after the accepted run",
@@ -1070,8 +1070,8 @@ def _grade(folder: Path, tests: tuple[str, ...]) -> list[dict]:
 def _param(m: Mutation):
     """A known gap runs only with --run-slow (it proves nothing new each run, and each mutation
     costs a copy and a pytest of its own), and so do the mutations marked slow: those whose tests
-    take over ten seconds, and all but one per lesson (make test's 15-minute budget). The
-    rest run in every `make test`."""
+    take over ten seconds, and all but one per lesson for L2, L5, L8 and L12, every one for the
+    other lessons (make test's 15-minute budget). The rest run in every `make test`."""
     marks = ([pytest.mark.xfail(strict=True, reason=f"issue 37, a test too weak: {m.too_weak}"), pytest.mark.slow]
              if m.too_weak else [pytest.mark.slow] if m.also_killed_by or m.slow else [])
     return pytest.param(m, id=m.name, marks=marks)
