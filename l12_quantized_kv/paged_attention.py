@@ -44,7 +44,8 @@ def paged_attention_quantized(q: torch.Tensor, k_codes: torch.Tensor, v_codes: t
 
     check_values: also check every length, every block id a sequence uses, and that the scales are
     finite and positive; on CUDA that reads them back (a sync), so a hot loop over a pool that
-    checked its scales when they were set passes False. On the CPU the scales are always checked.
+    checked its scales when they were set passes False (the engine does: QuantizedKvPool checks
+    them in set_scales). A bad scale gives wrong numbers, never a read outside the pool.
     backend, split_k, partition_size: as in L3's `paged_attention`.
     """
     _expect(k_codes.dtype in CODE_DTYPES,
@@ -58,7 +59,7 @@ def paged_attention_quantized(q: torch.Tensor, k_codes: torch.Tensor, v_codes: t
                 and scales.device == q.device and scales.is_contiguous(),
                 f"{name} must be a contiguous float32 [num_kv_heads={num_kv_heads}] on q's device {q.device}",
                 scales)
-        if (check_values or not q.is_cuda) and not bool((torch.isfinite(scales) & (scales > 0)).all()):
+        if check_values and not bool((torch.isfinite(scales) & (scales > 0)).all()):
             raise InputError(f"{name} must be finite and > 0 (a scale of 0 or NaN makes every code of its head "
                              f"0 or NaN), got {scales.tolist()}; recalibrate or use scales_from_amax")
     backend, scale = resolve_call(q, k_codes, block_tables, context_lens, backend, check_values, scale)

@@ -45,8 +45,15 @@ class QuantizedKvPool(BlockKvPool):
         if scales.fmt != self.fmt:
             raise InputError(f"this pool stores {self.fmt.name}; scales for {scales.fmt.name} do not fit it")
         self.scales = scales.to(self.K[0].device)
-        self.k_scales, self.v_scales = self.scales.k, self.scales.v
-        self.tag = self.scales.tag()
+        self.tag = self.scales.tag()  # hashed once here, not at every lookup
+
+    @property
+    def k_scales(self) -> list[torch.Tensor]:
+        return self.scales.k
+
+    @property
+    def v_scales(self) -> list[torch.Tensor]:
+        return self.scales.v
 
     def set_kv(self, layer, slot_mapping, k, v):
         self.K[layer][slot_mapping] = quantize(k, self.k_scales[layer], self.fmt)
