@@ -12,12 +12,16 @@ sequence `context` tokens long, its blocks shuffled through the pool. Per case:
                   rows once, so 2 * sum(context_lens) * H_kv * D * elem size * reads, where reads =
                   group / heads_per_block (1 for groups of 1, 2, 4, 8; 3 for a group of 6)
   pct_peak        kv_MB over each time, as a fraction of the device's peak bandwidth
+--kv-format fp8 / int8 (L12): the pool holds one-byte codes with a float32 scale per KV head; the
+kernel reads the codes (kv_MB counts one byte an element), both SDPA baselines read the same values
+dequantized into the model's dtype, as an engine without a quantized kernel would hold them.
 Every run first reads a buffer twice the size of L2, so the KV comes from memory, not L2.
 Target (issue 5): batch 32, context 2048, bf16 on a GPU: >= 70% of peak HBM bandwidth and no
 slower than SDPA on contiguous KV. On a machine without CUDA the script says so and exits 0.
 
     python scripts/bench_l3_kernel.py                               # bf16, batch 1/8/32 x context 512..32k
     python scripts/bench_l3_kernel.py --batches 32 --contexts 2048 --json l3_bench.json
+    python scripts/bench_l3_kernel.py --kv-format fp8                # L12's cache, same grid
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (kernel: 8..128, power of 2)")
     p.add_argument("--repeat", type=int, default=None, help="timed runs per measurement; default 20")
     p.add_argument("--peak-gbps", type=float, default=None, help="the device's peak memory bandwidth, GB/s")
+    p.add_argument("--kv-format", choices=["model", "fp8", "int8"], default="model",
+                   help="what the pool holds: the model's dtype (default) or L12's one-byte codes")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the rows to PATH")
     args = check_bench_args(p.parse_args(argv), p)
     if args.peak_gbps is not None and not args.peak_gbps > 0:
@@ -85,20 +91,37 @@ def _int_list(text: str, option: str) -> list[int]:
     return values
 
 
-def make_case(batch: int, context: int, block_size: int, dtype, device) -> dict:
-    """A pool holding `batch` sequences of `context` tokens in shuffled blocks, and their tables."""
+def make_case(batch: int, context: int, block_size: int, dtype, device, kv_format: str = "model") -> dict:
+    """A pool holding `batch` sequences of `context` tokens in shuffled blocks, and their tables.
+    kv_format fp8/int8: the pool holds codes, with k_scales, v_scales float32 [H_kv]."""
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     tables = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq).int()
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    return {
+    case = {
         "q": torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=dtype),
-        "k_cache": torch.randn(shape, device=device, dtype=dtype),
-        "v_cache": torch.randn(shape, device=device, dtype=dtype),
         "block_tables": tables.to(device),
         "context_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
+        "k_scales": None, "v_scales": None,
     }
+    for name in ("k", "v"):
+        if kv_format == "model":
+            case[f"{name}_cache"] = torch.randn(shape, device=device, dtype=dtype)
+        elif kv_format == "fp8":  # normal values land on e4m3's grid; a scale per head brings them back
+            case[f"{name}_cache"] = (4 * torch.randn(shape, device=device)).to(torch.float8_e4m3fn)
+            case[f"{name}_scales"] = torch.rand(NUM_KV_HEADS, device=device) / 4 + 0.125
+        else:
+            case[f"{name}_cache"] = torch.randint(-127, 128, shape, device=device, dtype=torch.int8)
+            case[f"{name}_scales"] = torch.rand(NUM_KV_HEADS, device=device) / 64 + 1 / 128
+    return case
+
+
+def dequantized(cache, scales, dtype):
+    """The values a code pool stands for, in the model's dtype: [..., H_kv, D] codes * scales [H_kv]."""
+    if scales is None:
+        return cache
+    return (cache.float() * scales[:, None]).to(dtype)
 
 
 def l2_gather_index(block_tables, context_lens, block_size):
@@ -141,26 +164,34 @@ def time_us(fn, args, flush) -> float:
 
 
 def run_case(batch: int, context: int, args, flush, peak_gbps: float | None) -> dict:
-    case = make_case(batch, context, args.block_size, args.dtype, args.device)
+    case = make_case(batch, context, args.block_size, args.dtype, args.device, args.kv_format)
     q, k_cache, v_cache = case["q"], case["k_cache"], case["v_cache"]
+    scales = (case["k_scales"], case["v_scales"])
     forward = load_extension().forward  # the binding itself: no wrapper checks inside the timing
     kernel_args = (q, k_cache, v_cache, case["block_tables"], case["context_lens"], HEAD_DIM ** -0.5)
 
-    k_flat, v_flat = (c.view(-1, NUM_KV_HEADS, HEAD_DIM) for c in (k_cache, v_cache))
+    def kernel(partition_size):
+        return forward(*kernel_args, partition_size, *scales)
+
+    k_flat, v_flat = (dequantized(c, s, args.dtype).view(-1, NUM_KV_HEADS, HEAD_DIM)
+                      for c, s in zip((k_cache, v_cache), scales))
     slots, valid = l2_gather_index(case["block_tables"], case["context_lens"], args.block_size)
     k_contig, v_contig = (f[slots].transpose(1, 2).contiguous() for f in (k_flat, v_flat))
     expected = contiguous_sdpa(q, k_contig, v_contig).float()
-    error = max((forward(*kernel_args, p).float() - expected).abs().max().item() for p in (0, SPLIT_K_PARTITION))
+    error = max((kernel(p).float() - expected).abs().max().item() for p in (0, SPLIT_K_PARTITION))
     times = {
-        "single_us": time_us(lambda: forward(*kernel_args, 0), args, flush),
-        "split_us": time_us(lambda: forward(*kernel_args, SPLIT_K_PARTITION), args, flush),
+        "single_us": time_us(lambda: kernel(0), args, flush),
+        "split_us": time_us(lambda: kernel(SPLIT_K_PARTITION), args, flush),
         "gather_sdpa_us": time_us(lambda: gather_sdpa(q, k_flat, v_flat, slots, valid), args, flush),
         "contig_sdpa_us": time_us(lambda: contiguous_sdpa(q, k_contig, v_contig), args, flush),
     }
     group = NUM_HEADS // NUM_KV_HEADS
     reads = group // heads_per_block(group)  # blocks that read each KV head's rows
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * q.element_size() * reads
-    pct = {f"pct_peak_{k[:-3]}": None if peak_gbps is None else 100 * kv_bytes / us / 1e3 / peak_gbps
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * reads
+    baseline_bytes = kv_bytes * q.element_size()  # the SDPA baselines read the model's dtype
+    kv_bytes *= k_cache.element_size()
+    pct = {f"pct_peak_{k[:-3]}": None if peak_gbps is None else
+           100 * (kv_bytes if k in ("single_us", "split_us") else baseline_bytes) / us / 1e3 / peak_gbps
            for k, us in times.items()}
     return {"batch": batch, "context": context, **times, "kv_MB": kv_bytes / 1e6, **pct, "max_abs_err": error}
 
@@ -199,7 +230,7 @@ def main(argv=None) -> int:
               "--backend emulated` runs the kernel's code, and notebooks/L3_block_kernel.ipynb counts the bytes.")
         return 0
     name, peak = device_peak(args)
-    print(f"device {name}, {args.dtype}, block_size {args.block_size}, peak "
+    print(f"device {name}, {args.dtype}, cache {args.kv_format}, block_size {args.block_size}, peak "
           f"{'unknown' if peak is None else f'{peak:.0f} GB/s'}; H {NUM_HEADS}, H_kv {NUM_KV_HEADS}, D {HEAD_DIM}")
     flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda")
     try:
@@ -211,7 +242,8 @@ def main(argv=None) -> int:
     print("kv_MB counts each KV head's rows once per thread-block group reading them (group 2 here: once).")
     print(target_verdict(rows, args))
     if args.json:
-        meta = {"device": name, "dtype": str(args.dtype), "block_size": args.block_size, "peak_gbps": peak}
+        meta = {"device": name, "dtype": str(args.dtype), "kv_format": args.kv_format,
+                "block_size": args.block_size, "peak_gbps": peak}
         write_text_atomic(args.json, json.dumps({**meta, "rows": rows}, indent=2))
     return 0
 
