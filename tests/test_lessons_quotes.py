@@ -169,7 +169,12 @@ def _l10(workload: str, system: str, column: str = "speed-up") -> float:
     return _cell("bench_l10", column, workload=workload, system=system)
 
 
-# (file, the sentence's figure as written, the same figure from the generated table)
+def _l12_gpu(column: str) -> float:
+    """The H200 table of L12's codes, copied from one bench_l3_kernel.py run (a GPU-only bench)."""
+    return _cell("l12 gpu h200", column, **{"batch x context": "32 x 2048"})
+
+
+# (file, the sentence's figure as written, the same figure from the table it comes from)
 QUOTED_FIGURES = [
     ("lessons/L10-speculative.md", "1.12x HF greedy", lambda: _l10("embedded, batch 16", "L10 prompt lookup")),
     ("lessons/L10-speculative.md", "1.25x\nL8 without speculation",
@@ -180,6 +185,9 @@ QUOTED_FIGURES = [
     ("docs/benchmarks.md", "with the same draft 0.74x", lambda: _l10("embedded, batch 1", "HF assistant (draft)")),
     ("docs/benchmarks.md", "is 2.36x HF greedy", lambda: _l10("embedded, batch 1", "L10 prompt lookup")),
     ("docs/benchmarks.md", "prompt lookup's 2.05x", lambda: _l10("embedded, batch 1", "HF prompt lookup")),
+    ("lessons/L12-quantized-kv.md", "took 97.9 us over fp8 codes", lambda: _l12_gpu("fp8")),
+    ("lessons/L12-quantized-kv.md", "against 90.2 us over the bf16", lambda: _l12_gpu("bf16 cache")),
+    ("lessons/L12-quantized-kv.md", "took\n337.9 us", lambda: _l12_gpu("fp8 before")),
 ]
 
 
