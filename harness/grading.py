@@ -30,18 +30,15 @@ from pathlib import Path
 
 import pytest
 
-_ROOT = Path(__file__).resolve().parent.parent
+from harness import judge as _judge
 
 
-def _lesson_packages() -> dict[str, str]:
-    """{"l1": "l1_contiguous", ...}: every `lN_<name>/` package at the repository's root, in order.
-    The one list of lessons: adding a lesson's package adds it to grading and the bundle."""
-    packages = [p.parent.name for p in _ROOT.glob("l[0-9]*_*/__init__.py")]
-    packages.sort(key=lambda name: int(name[1:].split("_")[0]))
-    return {name.split("_")[0]: name for name in packages}
 
-
-LESSON_PACKAGES = _lesson_packages()
+# {"l1": "l1_contiguous", ...}: the one list of lessons, from the `lN_<name>/` packages at the
+# repository's root: adding a lesson's package adds it to grading and the bundle.
+LESSON_PACKAGES = {name.split("_")[0]: name for name in _judge.lesson_packages()}
+# With KVCOURSE_JUDGE set, this process runs no student code (harness/__init__.py, judge.py).
+JUDGE = _judge.ENDPOINT
 LESSONS = ("course", *LESSON_PACKAGES)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 MAX_OUTPUT = 4000  # characters of a failure kept in results.json: its start and its end
@@ -133,6 +130,11 @@ class _Scores:
 
 _scores = _Scores()
 _items: dict[str, pytest.Item] = {}
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if JUDGE is not None:
+        JUDGE.drop_copies()
 
 
 def pytest_runtest_setup(item):

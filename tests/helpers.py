@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 
@@ -10,28 +9,14 @@ import pytest
 import torch
 
 from harness import hf_reference as hf
+import probes
 
 # `make check-lN` sets COURSE_QUICK=1: the same graded tests, with smaller soaks and fewer random
 # examples, so a lesson's red-to-green loop stays short; `make test` and the autograder run full size.
 QUICK = os.environ.get("COURSE_QUICK") == "1"
 
 
-@contextlib.contextmanager
-def forward_lengths(model_cls):
-    """Yields a list that every forward of a `model_cls` module run inside the block appends its
-    number of input tokens to: how a test sees that decode feeds one new token per step (the
-    cache holds the rest) instead of the whole sequence again, or HF's model instead of ours."""
-    lengths: list[int] = []
-
-    def record(module, args):
-        if isinstance(module, model_cls) and args:
-            lengths.append(args[0].numel())
-
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
-    try:
-        yield lengths
-    finally:
-        handle.remove()
+forward_lengths = probes.forward_lengths  # runs beside the lesson's code (probes.py)
 
 
 def prefilled_then_one_token_per_step(lengths: list[int], prompt_len: int) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 from harness import hf_reference as hf
 from harness.quantized_cache import QuantizingCache
+import probes
 from helpers import random_prompt
 from l2_paged import BlockAllocator, Request, blocks_needed, reserve
 from l3_block_kernel import build_block_meta
@@ -229,7 +230,7 @@ def test_decode_hands_the_pools_own_code_blocks_to_attention(model, scales_for):
     k = torch.randn(1, model.config.num_key_value_heads, model.config.head_dim)
     k_all, v_all = attention.kv_step(k, k.clone(), pool, meta)
     for got, codes, layer_scales in ((k_all, pool.k_blocks[1], scales.k[1]), (v_all, pool.v_blocks[1], scales.v[1])):
-        assert got.codes.data_ptr() == codes.data_ptr() and got.codes.shape == codes.shape
+        assert probes.data_ptr(got.codes) == probes.data_ptr(codes) and got.codes.shape == codes.shape
         assert torch.equal(got.scales, layer_scales)
     slot = req.slot_indices[5]
     assert torch.equal(pool.K[1][slot].float(), (k[0] / scales.k[1].view(-1, 1)).to(torch.float8_e4m3fn).float())

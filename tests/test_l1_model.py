@@ -11,6 +11,7 @@ import torch
 
 from harness import hf_reference as hf
 from harness.tiny_models import QWEN3_0_6B
+import probes
 from helpers import budget, forward_lengths, hf_ids, prefilled_then_one_token_per_step, random_prompt
 from l1_contiguous import (ContiguousKvCache, InputError, ModelLoadError, Qwen3ForCausalLM, RMSNorm,
                           RotaryEmbedding, apply_rotary, attend, forward_step, greedy_generate, load_config)
@@ -135,7 +136,7 @@ def test_missing_folder_and_config_are_input_errors(tmp_path):
 def test_tied_head_reuses_the_embedding(make_model):
     d = make_model(tie_word_embeddings=True)
     model = Qwen3ForCausalLM.from_pretrained(d)
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert probes.data_ptr(model.lm_head.weight) == probes.data_ptr(model.model.embed_tokens.weight)
 
 
 # ---------------------------------------------------------------- the cache

@@ -8,6 +8,7 @@ import torch
 
 from harness import hf_reference as hf
 from helpers import check_the_pool_is_the_cache, hf_ids, random_prompt
+from probes_l2 import Layer0Attention
 from l1_contiguous import Qwen3ForCausalLM, greedy_generate
 from l2_paged import (BlockAllocator, KvPool, OutOfBlocksError, PagedAttention, PagedRunner, Request,
                       load_paged_model, reserve)
@@ -166,14 +167,6 @@ def test_kv_indices_must_be_1d(tiny_model_dir, monkeypatch):
     except RuntimeError:
         return
     assert any(r.output_ids != hf_ids(tiny_model_dir, r.prompt_ids, 3) for r in reqs)
-
-
-class Layer0Attention(PagedAttention):
-    """The forgotten layer_idx: every layer writes and reads layer 0's K/V."""
-
-    def kv_step(self, k, v, pool, meta):
-        pool.set_kv(0, meta.slot_mapping, k, v)
-        return pool.K[0][meta.kv_indices], pool.V[0][meta.kv_indices]
 
 
 @pytest.mark.points(2)

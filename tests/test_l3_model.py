@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import probes
 from helpers import check_the_pool_is_the_cache, hf_ids, random_prompt
 from l1_contiguous import load_config
 from l2_paged import BlockAllocator, PagedRunner, Request, load_paged_model, reserve
@@ -22,7 +23,7 @@ def test_block_view_and_flat_view_are_the_same_memory(tiny_model_dir):
     pool.set_kv(1, torch.tensor([13, 6]), k, -k)  # slot 13 = block 3, row 1; slot 6 = block 1, row 2
     assert torch.equal(pool.k_blocks[1][3, 1], k[0]) and torch.equal(pool.k_blocks[1][1, 2], k[1])
     assert torch.equal(pool.v_blocks[1][3, 1], -k[0])
-    assert pool.k_blocks[0].data_ptr() == pool.K[0].data_ptr()
+    assert probes.data_ptr(pool.k_blocks[0]) == probes.data_ptr(pool.K[0])
     assert pool.nbytes() == KvPool(cfg, 5, 4, torch.float32).nbytes()  # same bytes as L2's layout
 
 
@@ -97,7 +98,7 @@ def test_decode_path_reads_the_pool_in_place_and_equals_the_gather_path(tiny_mod
     original = attention.attend
 
     def spy(q, k_all, v_all, meta):
-        seen.append((meta.is_prefill, k_all.data_ptr(), k_all.dim()))
+        seen.append((meta.is_prefill, probes.data_ptr(k_all), k_all.dim()))
         return original(q, k_all, v_all, meta)
 
     attention.attend = spy
@@ -112,7 +113,7 @@ def test_decode_path_reads_the_pool_in_place_and_equals_the_gather_path(tiny_mod
             r.output_ids.append(3)
         logits[name] = runner.forward_logits(reqs, [1, 1])
         if name == "l3":
-            decode_ptr = pool.k_blocks[0].data_ptr()
+            decode_ptr = probes.data_ptr(pool.k_blocks[0])
     torch.testing.assert_close(logits["l3"], logits["l2"], rtol=1e-5, atol=1e-5)
     assert seen[0][0] is True and seen[1] == (False, decode_ptr, 4)  # decode got the block view itself
 

@@ -1,0 +1,883 @@
+"""The judge: graded tests whose verdict the student's code cannot reach.
+
+With KVCOURSE_JUDGE set (a JSON list: the command that starts the worker), the pytest process
+that runs the tests never imports a lesson package. Every `import lN_...` gives a proxy module
+instead, and every use of what it holds (a function called, a class built, an attribute read)
+is a request to a worker process, which imports the student's code and runs it. What comes back
+is plain data (numbers, strings, containers of them, tensors as dtype + shape + raw bytes; never
+pickle, never code) or a handle to an object that stays in the worker. The tests' assertions,
+the HF oracle and the report of each outcome all run in the judging process, so code in the
+worker can change only what its own functions return, which is what is graded.
+
+The same test files run unchanged in one process when KVCOURSE_JUDGE is unset (a student's
+`make check`): one test is still one function.
+
+What crosses, and how (both directions use the same encoding):
+- None, bool, int, str, float (NaN and infinities too), bytes, list, tuple, dict, set, frozenset,
+  deque, range, slice, Ellipsis, pathlib paths, torch dtypes, devices and Sizes: by value.
+- torch tensors: by value, on the CPU. A tensor the judge passes in and the worker changes in
+  place (its version counter moved) is copied back into the judge's tensor when the call returns.
+- exception classes and instances: rebuilt in the judge from their names, bases, args and str,
+  so `pytest.raises(OutOfBlocksError)` and `isinstance(e, ValueError)` work; the worker's
+  traceback is attached as a note.
+- modules: by name (a lesson module is a proxy again, any other the judge's own import).
+- anything else the worker holds: a handle; the judge's proxy forwards attribute reads and
+  writes, calls, indexing, iteration, len, comparisons, hashing, str and context managers.
+- anything else the judge passes (a callback, a test's own object): a handle the worker may only
+  call, never read attributes of, so it cannot walk from a callback to the judge's globals.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import collections
+import collections.abc
+import copy
+import importlib
+import importlib.abc
+import importlib.machinery
+import json
+import operator
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+import traceback
+import types
+import weakref
+from typing import Any
+
+ENV = "KVCOURSE_JUDGE"
+MAX_HEADER = 64 << 20  # bytes of one message's JSON
+MAX_BLOB = 8 << 30     # bytes of one tensor or bytes value
+MAX_DEPTH = 64         # nesting of containers in one value
+
+
+class JudgeError(RuntimeError):
+    """The worker broke the protocol, died, or asked for something it may not have."""
+
+
+MUTABLE_CONTAINERS = (list, dict, set, collections.deque)
+PLAIN_SCALARS = (type(None), bool, int, float, str)
+
+
+def _all_plain(value) -> bool:
+    """A container of scalars and strings only: one the judge can compare without a request."""
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    return all(type(item) in PLAIN_SCALARS for item in items)
+
+
+# ---------------------------------------------------------------- framing
+
+
+class Channel:
+    """Length-prefixed messages over two pipes: a JSON header, then its blobs (raw bytes)."""
+
+    def __init__(self, reader, writer):
+        self.reader, self.writer = reader, writer
+
+    def send(self, message: dict, blobs: list[bytes]) -> None:
+        header = json.dumps({**message, "blob_sizes": [len(b) for b in blobs]}).encode()
+        self.writer.write(struct.pack(">Q", len(header)) + header)
+        for blob in blobs:
+            self.writer.write(blob)
+        self.writer.flush()
+
+    def recv(self) -> tuple[dict, list[bytes]]:
+        (size,) = struct.unpack(">Q", self._read(8))
+        if size > MAX_HEADER:
+            raise JudgeError(f"a message header of {size} bytes (the limit is {MAX_HEADER})")
+        message = json.loads(self._read(size))
+        if not isinstance(message, dict) or not isinstance(message.get("blob_sizes"), list):
+            raise JudgeError("a message that is not a JSON object with blob_sizes")
+        blobs = []
+        for blob_size in message["blob_sizes"]:
+            if not isinstance(blob_size, int) or not 0 <= blob_size <= MAX_BLOB:
+                raise JudgeError(f"a blob of {blob_size!r} bytes")
+            blobs.append(self._read(blob_size))
+        return message, blobs
+
+    def _read(self, size: int) -> bytes:
+        data = self.reader.read(size)
+        if data is None or len(data) != size:
+            raise JudgeError("the worker closed the channel (it exited or was killed)")
+        return data
+
+
+# ---------------------------------------------------------------- values
+
+
+def _torch():
+    return sys.modules.get("torch") or importlib.import_module("torch")
+
+
+def _is_tensor(value) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+class _ByHandle:
+    """A value to send as a handle whatever its type."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
+class Endpoint:
+    """One side of the channel: it exports its own objects as numbered handles, proxies the
+    peer's, and serves the peer's requests while it waits for the reply to its own (a callback)."""
+
+    def __init__(self, channel: Channel, side: str):
+        assert side in ("judge", "worker")
+        self.channel, self.side = channel, side
+        self.exported: dict[int, Any] = {}
+        self.export_ids: dict[int, int] = {}  # id(obj) -> handle, while exported
+        self.sent: dict[int, int] = {}        # handle -> times sent; the peer releases as many
+        self.next_handle = 1
+        self.proxies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.received: dict[int, int] = {}    # the peer's handle -> times received, while proxied
+        # [handle, times received] of proxies that died: a handle sent again meanwhile stays
+        self.released: list[list[int]] = []
+        self.tracked: dict[int, tuple] = {}  # judge: id(copy) -> (weakref, origin, version, data_ptr)
+        # The copies received during the current test, held until it ends, so that one changed
+        # and dropped at once (`for t in pool.K + pool.V: t.fill_(nan)`) is still sent back.
+        self.fresh: list = []
+        self.containers: list[tuple] = []  # judge: (copy, origin, snapshot) of plain containers
+
+    # ------------------------------------------------ handles
+
+    def export(self, obj) -> int:
+        handle = self.export_ids.get(id(obj))
+        if handle is None or self.exported.get(handle) is not obj:
+            handle, self.next_handle = self.next_handle, self.next_handle + 1
+            self.exported[handle], self.export_ids[id(obj)] = obj, handle
+        self.sent[handle] = self.sent.get(handle, 0) + 1
+        return handle
+
+    def release(self, released) -> None:
+        for item in released:
+            handle, count = item if isinstance(item, list) and len(item) == 2 else (None, 0)
+            if handle not in self.exported or not isinstance(count, int):
+                continue
+            self.sent[handle] -= count
+            if self.sent[handle] <= 0:
+                obj = self.exported.pop(handle)
+                self.export_ids.pop(id(obj), None)
+                del self.sent[handle]
+
+    def proxy(self, handle: int):
+        proxy = self.proxies.get(handle)
+        if proxy is None:
+            proxy = (RemoteObject if self.side == "judge" else CallbackProxy)(self, handle)
+            self.proxies[handle] = proxy
+        self.received[handle] = self.received.get(handle, 0) + 1
+        return proxy
+
+    def forget(self, handle: int) -> None:
+        """A proxy of `handle` died: tell the peer, with how many times it was received (less the
+        tensors copied from it that are still alive: their finalizers release those)."""
+        alive = sum(1 for _, origin, _, _ in self.tracked.values() if origin == handle)
+        count = self.received.get(handle, 0) - alive
+        if alive:
+            self.received[handle] = alive
+        else:
+            self.received.pop(handle, None)
+        self.released.append([handle, count])
+
+    def own(self, handle) -> Any:
+        if not isinstance(handle, int) or handle not in self.exported:
+            raise JudgeError(f"no object has handle {handle!r} here")
+        return self.exported[handle]
+
+    # ------------------------------------------------ encoding
+
+    def encode(self, value, blobs: list, tensors: list | None = None, depth: int = 0):
+        """value -> JSON-able; tensors (when given) collects the tensors sent, for write-back."""
+        if depth > MAX_DEPTH:
+            raise JudgeError(f"a value nested more than {MAX_DEPTH} deep")
+        enc = lambda v: self.encode(v, blobs, tensors, depth + 1)  # noqa: E731
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, types.TracebackType):  # a context manager's __exit__: frames stay here
+            return None
+        if type(value) is _ByHandle:
+            return {"t": "ref", "id": self.export(value.obj)}
+        if isinstance(value, int) and type(value) is int:
+            return value
+        if isinstance(value, float) and type(value) is float:
+            return value if value == value and abs(value) != float("inf") else {"t": "float", "v": repr(value)}
+        if _is_tensor(value):
+            tracked = self.tracked.get(id(value))
+            if tracked is not None and tracked[0]() is value:  # a copy of the worker's: that tensor
+                if tensors is not None:
+                    tensors.append(value)
+                return {"t": "yours", "id": tracked[1], "index": None if tensors is None else len(tensors) - 1}
+            return self._encode_tensor(value, blobs, tensors)
+        kind = type(value)
+        if kind in (list, tuple, set, frozenset):
+            encoded = {"t": kind.__name__, "v": [enc(v) for v in value]}
+        elif kind is dict:
+            encoded = {"t": "dict", "v": [[enc(k), enc(v)] for k, v in value.items()]}
+        elif kind is collections.deque:
+            encoded = {"t": "deque", "v": [enc(v) for v in value], "maxlen": value.maxlen}
+        else:
+            encoded = None
+        if encoded is not None:
+            if self.side == "worker" and kind in MUTABLE_CONTAINERS and _all_plain(value):
+                encoded["origin"] = self.export(value)  # see _track_container
+            return encoded
+        if kind in (bytes, bytearray):
+            blobs.append(bytes(value))
+            return {"t": "bytes", "blob": len(blobs) - 1}
+        if kind is range:
+            return {"t": "range", "v": [value.start, value.stop, value.step]}
+        if kind is slice:
+            return {"t": "slice", "v": [enc(value.start), enc(value.stop), enc(value.step)]}
+        if value is Ellipsis:
+            return {"t": "ellipsis"}
+        if isinstance(value, pathlib.PurePath):
+            return {"t": "path", "v": str(value)}
+        if isinstance(value, types.ModuleType) and not isinstance(value, RemoteModule):
+            return {"t": "module", "v": value.__name__}
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            if isinstance(value, torch.dtype):
+                return {"t": "dtype", "v": str(value).removeprefix("torch.")}
+            if isinstance(value, torch.device):
+                return {"t": "device", "v": str(value)}
+            if isinstance(value, torch.Size):
+                return {"t": "size", "v": list(value)}
+        if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+            return enc(value.item())
+        if isinstance(value, type) and issubclass(value, BaseException):
+            return self._encode_exception_class(value)
+        if isinstance(value, BaseException):
+            return {"t": "exc", **self._exception_fields(value, blobs)}
+        if isinstance(value, (RemoteObject, CallbackProxy)) and value._endpoint is self:
+            return {"t": "yours", "id": value._handle}
+        if isinstance(value, RemoteModule) and value._remote._endpoint is self:
+            return {"t": "yours", "id": value._remote._handle}
+        return {"t": "ref", "id": self.export(value)}
+
+    def _encode_tensor(self, tensor, blobs, tensors):
+        torch = _torch()
+        data = tensor.detach()
+        device = str(data.device)
+        if data.layout != torch.strided or data.is_meta:
+            return {"t": "ref", "id": self.export(tensor)}
+        data = data.cpu().contiguous()
+        blobs.append(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        if tensors is not None:
+            tensors.append(tensor)
+        return {"t": "tensor", "dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
+                "device": device, "blob": len(blobs) - 1, "index": None if tensors is None else len(tensors) - 1,
+                "parameter": isinstance(tensor, torch.nn.Parameter), "requires_grad": tensor.requires_grad,
+                # the worker's tensor, for the judge's changes to its copy (see _dirty_tensors)
+                "origin": self.export(tensor) if self.side == "worker" else None}
+
+    def _encode_exception_class(self, cls) -> dict:
+        if cls.__module__ == "builtins" and getattr(builtins, cls.__name__, None) is cls:
+            return {"t": "exc_class", "module": "builtins", "name": cls.__name__, "bases": []}
+        bases = [self._encode_exception_class(b) for b in cls.__bases__ if issubclass(b, BaseException)]
+        return {"t": "exc_class", "module": cls.__module__, "name": cls.__qualname__, "bases": bases}
+
+    def _exception_fields(self, exc: BaseException, blobs) -> dict:
+        attrs = {}
+        for name, attr in vars(exc).items():
+            if not name.startswith("__"):
+                try:
+                    attrs[name] = self.encode(attr, blobs, None, 1)
+                except JudgeError:
+                    continue
+        try:
+            args = self.encode(list(exc.args), blobs, None, 1)
+        except JudgeError:
+            args = {"t": "list", "v": []}
+        return {"cls": self._encode_exception_class(type(exc)), "args": args, "attrs": attrs, "str": str(exc),
+                "tb": "".join(traceback.format_exception(exc))[-8000:]}
+
+    def decode(self, data, blobs: list, received: list | None = None, depth: int = 0):
+        if depth > MAX_DEPTH:
+            raise JudgeError(f"a value nested more than {MAX_DEPTH} deep")
+        if data is None or isinstance(data, (bool, int, float, str)):
+            return data
+        if not isinstance(data, dict) or not isinstance(data.get("t"), str):
+            raise JudgeError(f"not a value: {str(data)[:200]}")
+        dec = lambda v: self.decode(v, blobs, received, depth + 1)  # noqa: E731
+        kind, v = data["t"], data.get("v")
+        if kind in ("list", "tuple", "set", "frozenset", "dict", "deque"):
+            if kind == "dict":
+                value = {dec(k): dec(x) for k, x in v}
+            elif kind == "deque":
+                value = collections.deque((dec(x) for x in v), data.get("maxlen"))
+            else:
+                value = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](dec(x) for x in v)
+            if self.side == "judge" and isinstance(data.get("origin"), int):
+                self._track_container(value, data["origin"])
+            return value
+        if kind == "float":
+            return float(v)
+        if kind == "bytes":
+            return blobs[data["blob"]]
+        if kind == "range":
+            return range(*v)
+        if kind == "slice":
+            return slice(*(dec(x) for x in v))
+        if kind == "ellipsis":
+            return Ellipsis
+        if kind == "path":
+            return pathlib.Path(v)
+        if kind == "module":
+            return importlib.import_module(v)
+        if kind == "dtype":
+            return getattr(_torch(), v)
+        if kind == "device":
+            return _torch().device(v)
+        if kind == "size":
+            return _torch().Size(v)
+        if kind == "tensor":
+            return self._decode_tensor(data, blobs, received)
+        if kind == "exc_class":
+            return exception_class(data)
+        if kind == "exc":
+            return rebuild_exception(data, self.decode(data["args"], blobs), {k: self.decode(a, blobs)
+                                                                              for k, a in data["attrs"].items()})
+        if kind == "yours":
+            obj = self.own(data.get("id"))
+            if _is_tensor(obj) and received is not None and data.get("index") is not None and not obj.is_inference():
+                received.append((data["index"], obj, obj._version))
+            return obj
+        if kind == "ref":
+            if not isinstance(data.get("id"), int):
+                raise JudgeError("a handle that is not an integer")
+            return self.proxy(data["id"])
+        raise JudgeError(f"unknown value kind {kind!r}")
+
+    def _decode_tensor(self, data, blobs, received):
+        torch = _torch()
+        dtype = getattr(torch, data["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise JudgeError(f"not a dtype: {data['dtype']!r}")
+        raw = blobs[data["blob"]]
+        shape = [int(s) for s in data["shape"]]
+        tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if raw else \
+            torch.empty(shape, dtype=dtype)
+        device = data.get("device", "cpu")
+        if device != "cpu" and self.side == "worker":
+            tensor = tensor.to(device)
+        if data.get("parameter"):
+            tensor = torch.nn.Parameter(tensor, requires_grad=bool(data.get("requires_grad")))
+        elif data.get("requires_grad") and tensor.is_floating_point():
+            tensor.requires_grad_(True)
+        # Inference tensors (decoded inside torch.inference_mode) keep no version counter, and
+        # cannot be changed in place outside it: nothing to write back.
+        if received is not None and data.get("index") is not None and not tensor.is_inference():
+            received.append((data["index"], tensor, tensor._version))
+        if self.side == "judge" and isinstance(data.get("origin"), int):
+            if tensor.is_inference():
+                self.released.append([data["origin"], 1])
+            else:
+                self._track(tensor, data["origin"])
+        return tensor
+
+    # ------------------------------------------------ the judge's changes to the worker's tensors
+
+    def _track(self, tensor, origin: int) -> None:
+        """A tensor read from the worker is a copy. A test that changes it in place (fills a pool
+        with NaN, poisons a cache) means to change the worker's: before the judge's next message,
+        the changed copies are sent back and written into their origins."""
+        self.received[origin] = self.received.get(origin, 0) + 1
+        key = id(tensor)
+        self.tracked[key] = (weakref.ref(tensor), origin, tensor._version, tensor.data_ptr())
+        self.fresh.append(tensor)
+        weakref.finalize(tensor, self._untrack, key, origin)
+
+    def _untrack(self, key: int, origin: int) -> None:
+        self.tracked.pop(key, None)
+        self.released.append([origin, 1])
+        self.received[origin] = self.received.get(origin, 1) - 1
+        if self.received[origin] <= 0:
+            del self.received[origin]
+
+    def _dirty_tensors(self, blobs: list) -> list:
+        synced = []
+        for key, (ref, origin, version, pointer) in list(self.tracked.items()):
+            tensor = ref()
+            if tensor is None or (tensor._version == version and tensor.data_ptr() == pointer):
+                continue
+            data = tensor.detach().cpu().contiguous()
+            blobs.append(data.view(_torch().uint8).numpy().tobytes() if data.numel() else b"")
+            synced.append({"origin": origin, "blob": len(blobs) - 1, "dtype": str(data.dtype).removeprefix("torch."),
+                           "shape": list(data.shape)})
+            self.tracked[key] = (ref, origin, tensor._version, tensor.data_ptr())
+        return synced
+
+    def drop_copies(self) -> None:
+        """Called after each test: the copies it held may go (their origins are released)."""
+        self.fresh.clear()
+        for _, origin, _ in self.containers:
+            self.released.append([origin, 1])
+        self.containers.clear()
+
+    def _track_container(self, value, origin: int) -> None:
+        """A list, dict, set or deque of plain values read from the worker, as _track does for
+        tensors: `req.output_ids.append(token)` in a test means the worker's list."""
+        self.containers.append((value, origin, copy.copy(value)))
+
+    def _dirty_containers(self) -> list:
+        synced = []
+        for i, (value, origin, snapshot) in enumerate(self.containers):
+            if type(value) is not type(snapshot) or value != snapshot or \
+                    (type(value) is collections.deque and list(value) != list(snapshot)):
+                synced.append({"origin": origin, "value": self.encode(value, [], None, 1)})
+                self.containers[i] = (value, origin, copy.copy(value))
+        return synced
+
+    def _apply_sync(self, synced, blobs) -> None:
+        torch = _torch()
+        for item in synced or []:
+            origin = self.own(item.get("origin"))
+            if "value" in item:  # a container
+                new = self.decode(item["value"], blobs)
+                if type(new) is not type(origin) or not _all_plain(new):
+                    raise JudgeError("a container written back as another type")
+                if isinstance(origin, list):
+                    origin[:] = new
+                else:
+                    origin.clear()
+                    origin.update(new) if isinstance(origin, (dict, set)) else origin.extend(new)
+                continue
+            if not _is_tensor(origin):
+                raise JudgeError("a write-back to something that is not a tensor")
+            new = self._decode_tensor({**item, "t": "tensor", "device": str(origin.device)}, blobs, None)
+            with torch.no_grad():
+                if new.shape == origin.shape and new.dtype == origin.dtype:
+                    origin.copy_(new)
+                else:
+                    origin.data = new.to(origin.device)
+
+    # ------------------------------------------------ requests
+
+    def request(self, op: str, **fields):
+        blobs: list[bytes] = []
+        sent_tensors: list = []
+        message = {"kind": "request", "op": op, "release": self.released[:]}
+        self.released.clear()
+        for name, value in fields.items():
+            message[name] = self.encode(value, blobs, sent_tensors) if name in ("args", "kwargs", "value") else value
+        if self.side == "judge":
+            message["sync"] = self._dirty_tensors(blobs) + self._dirty_containers()
+        self.channel.send(message, blobs)
+        while True:
+            reply, reply_blobs = self.channel.recv()
+            if reply.get("kind") == "request":
+                self.serve(reply, reply_blobs)
+                continue
+            if reply.get("kind") != "reply":
+                raise JudgeError(f"expected a reply, got {str(reply)[:200]}")
+            if self.side == "worker":
+                self._apply_sync(reply.get("sync"), reply_blobs)
+            for index, blob_index in reply.get("writeback", []):
+                self._write_back(sent_tensors, index, reply_blobs[blob_index])
+            if "error" in reply:
+                error = reply["error"]
+                raise rebuild_exception(error, self.decode(error["args"], reply_blobs),
+                                        {k: self.decode(a, reply_blobs) for k, a in error["attrs"].items()})
+            return self.decode(reply.get("value"), reply_blobs)
+
+    def _write_back(self, sent, index, blob) -> None:
+        torch = _torch()
+        if not isinstance(index, int) or not 0 <= index < len(sent):
+            raise JudgeError(f"a write-back to tensor {index!r}, which was not sent")
+        target = sent[index]
+        if len(blob) != target.numel() * target.element_size():
+            raise JudgeError("a write-back of another size than the tensor sent")
+        if blob:
+            target.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(target.dtype).reshape(target.shape))
+
+    def serve(self, message: dict, blobs: list) -> None:
+        self.release(message.get("release") or [])
+        if self.side == "worker":
+            self._apply_sync(message.get("sync"), blobs)
+        received: list = []
+        reply: dict = {"kind": "reply"}
+        reply_blobs: list[bytes] = []
+        try:
+            value = self._perform(message, blobs, received)
+            reply["value"] = self.encode(value, reply_blobs)
+        except JudgeError:
+            raise
+        except BaseException as exc:  # the peer's request failed: the exception goes back as data
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) and self.side == "judge":
+                raise
+            reply.pop("value", None)
+            reply["error"] = self._exception_fields(exc, reply_blobs)
+        writeback = []
+        for index, tensor, version in received:
+            if tensor._version != version:
+                blob = tensor.detach().cpu().contiguous()
+                reply_blobs.append(blob.view(_torch().uint8).numpy().tobytes() if blob.numel() else b"")
+                writeback.append([index, len(reply_blobs) - 1])
+        reply["writeback"] = writeback
+        if self.side == "judge":
+            reply["sync"] = self._dirty_tensors(reply_blobs) + self._dirty_containers()
+        self.channel.send(reply, reply_blobs)
+
+    def _perform(self, message: dict, blobs: list, received: list):
+        op = message.get("op")
+        decode = lambda name, default: (self.decode(message[name], blobs, received)  # noqa: E731
+                                        if name in message else default)
+        if op == "release":
+            return None
+        if self.side == "judge":
+            # The worker may only call what the judge handed it: no attribute of a judge-side
+            # object is readable from there (from a function, __globals__ leads everywhere).
+            if op != "call":
+                raise JudgeError(f"the worker asked the judge for {op!r}; only calls of callbacks are served")
+            return self.own(message.get("id"))(*decode("args", []), **decode("kwargs", {}))
+        if op == "import":  # a handle, not the module's name, which would send the judge here again
+            return _ByHandle(importlib.import_module(str(message["name"])))
+        target = self.own(message.get("id"))
+        if op == "getattr":
+            return getattr(target, str(message["name"]))
+        if op == "setattr":
+            value = decode("value", None)
+            if isinstance(value, CallbackProxy) and isinstance(target, type):
+                value = _as_method(value)  # a function on a class binds self, as the test's did
+            return setattr(target, str(message["name"]), value)
+        if op == "delattr":
+            return delattr(target, str(message["name"]))
+        if op == "call":
+            return target(*decode("args", []), **decode("kwargs", {}))
+        if op == "operator":
+            function = OPERATORS.get(message.get("name"))
+            if function is None:
+                raise JudgeError(f"unknown operator {message.get('name')!r}")
+            return function(target, *decode("args", []))
+        raise JudgeError(f"unknown request {op!r}")
+
+
+# ---------------------------------------------------------------- exceptions rebuilt in the judge
+
+_EXCEPTION_CLASSES: dict[tuple, type] = {}
+
+
+def exception_class(data: dict) -> type:
+    module, name = data.get("module"), data.get("name")
+    if module == "builtins":
+        cls = getattr(builtins, str(name), None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            return cls
+        return Exception
+    key = (module, name)
+    if key not in _EXCEPTION_CLASSES:
+        bases = tuple(exception_class(b) for b in data.get("bases", [])) or (Exception,)
+        try:
+            cls = type(str(name).rsplit(".", 1)[-1], bases, {"__module__": str(module), "__str__": _remote_str})
+        except TypeError:  # bases whose layouts conflict: keep the first
+            cls = type(str(name).rsplit(".", 1)[-1], bases[:1], {"__module__": str(module), "__str__": _remote_str})
+        cls.__qualname__ = str(name)
+        _EXCEPTION_CLASSES[key] = cls
+    return _EXCEPTION_CLASSES[key]
+
+
+def _remote_str(self) -> str:
+    return self.__dict__.get("_remote_str", BaseException.__str__(self))
+
+
+def rebuild_exception(data: dict, args, attrs: dict) -> BaseException:
+    cls = exception_class(data["cls"])
+    exc = cls.__new__(cls)
+    exc.args = tuple(args)
+    for name, value in attrs.items():
+        try:
+            setattr(exc, name, value)
+        except (AttributeError, TypeError):
+            pass
+    if cls.__str__ is _remote_str:
+        exc.__dict__["_remote_str"] = data.get("str", "")
+    elif str(exc) != data.get("str"):  # a builtin whose str is not its args' (KeyError's quotes are)
+        exc.args = (data.get("str", ""),) if not isinstance(exc, KeyError) else exc.args
+    exc.add_note("raised in the student's code (the grading worker):\n" + str(data.get("tb", ""))[-4000:])
+    return exc
+
+
+# ---------------------------------------------------------------- proxies in the judge
+
+
+def _operator(name):
+    def method(self, *args):
+        return self._endpoint.request("operator", id=self._handle, name=name, args=list(args))
+    method.__name__ = f"__{name}__"
+    return method
+
+
+class RemoteObject:
+    """An object that lives in the worker. Every use is a request; the answer is data or another
+    RemoteObject."""
+
+    __slots__ = ("_endpoint", "_handle", "__weakref__")
+
+    def __init__(self, endpoint: Endpoint, handle: int):
+        object.__setattr__(self, "_endpoint", endpoint)
+        object.__setattr__(self, "_handle", handle)
+
+    def __getattr__(self, name):
+        return self._endpoint.request("getattr", id=self._handle, name=name)
+
+    def __setattr__(self, name, value):
+        self._endpoint.request("setattr", id=self._handle, name=name, value=value)
+
+    def __delattr__(self, name):
+        self._endpoint.request("delattr", id=self._handle, name=name)
+
+    def __call__(self, *args, **kwargs):
+        return self._endpoint.request("call", id=self._handle, args=list(args), kwargs=kwargs)
+
+    def __iter__(self):
+        iterator = self._endpoint.request("operator", id=self._handle, name="iter", args=[])
+        if not isinstance(iterator, RemoteObject):
+            yield from iterator
+            return
+        while True:
+            try:
+                yield iterator.__next__()
+            except StopIteration:
+                return
+
+    def __instancecheck__(self, obj):
+        return self._endpoint.request("operator", id=self._handle, name="instancecheck", args=[obj])
+
+    def __subclasscheck__(self, cls):
+        return self._endpoint.request("operator", id=self._handle, name="subclasscheck", args=[cls])
+
+    def __del__(self):
+        try:
+            self._endpoint.forget(self._handle)
+        except Exception:  # interpreter shutdown
+            pass
+
+    __next__ = _operator("next")
+    __bool__ = _operator("bool")
+    __len__ = _operator("len")
+    __hash__ = _operator("hash")
+    __str__ = _operator("str")
+    __repr__ = _operator("repr")
+    __int__ = _operator("int")
+    __float__ = _operator("float")
+    __index__ = _operator("index")
+    __getitem__ = _operator("getitem")
+    __setitem__ = _operator("setitem")
+    __delitem__ = _operator("delitem")
+    __contains__ = _operator("contains")
+    __eq__ = _operator("eq")
+    __ne__ = _operator("ne")
+    __lt__ = _operator("lt")
+    __le__ = _operator("le")
+    __gt__ = _operator("gt")
+    __ge__ = _operator("ge")
+    __add__ = _operator("add")
+    __sub__ = _operator("sub")
+    __mul__ = _operator("mul")
+    __truediv__ = _operator("truediv")
+    __floordiv__ = _operator("floordiv")
+    __mod__ = _operator("mod")
+    __neg__ = _operator("neg")
+    __abs__ = _operator("abs")
+    __enter__ = _operator("enter")
+    __exit__ = _operator("exit")
+
+
+# What a RemoteObject's special methods do in the worker: Python's own operators, so that an
+# `==` falls back to the reflected comparison as it would in one process.
+OPERATORS = {
+    "next": next, "bool": bool, "len": len, "hash": hash, "str": str, "repr": repr, "int": int,
+    "float": float, "index": operator.index, "getitem": operator.getitem, "setitem": operator.setitem,
+    "delitem": operator.delitem, "contains": operator.contains, "eq": operator.eq, "ne": operator.ne,
+    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "add": operator.add,
+    "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv, "floordiv": operator.floordiv,
+    "mod": operator.mod, "neg": operator.neg, "abs": abs, "iter": iter,
+    "enter": lambda obj: type(obj).__enter__(obj), "exit": lambda obj, *args: type(obj).__exit__(obj, *args),
+    "instancecheck": lambda cls, obj: isinstance(obj, cls), "subclasscheck": lambda cls, sub: issubclass(sub, cls),
+}
+
+
+class CallbackProxy:
+    """In the worker: a judge-side callable the judge passed in. Calling it is a request to the
+    judge; nothing else about it can be read."""
+
+    __slots__ = ("_endpoint", "_handle", "__weakref__")
+
+    def __init__(self, endpoint: Endpoint, handle: int):
+        self._endpoint, self._handle = endpoint, handle
+
+    def __call__(self, *args, **kwargs):
+        return self._endpoint.request("call", id=self._handle, args=list(args), kwargs=kwargs)
+
+    def __getattr__(self, name):
+        raise AttributeError(f"{name!r}: a grader-side object passed to your code can be called, not read")
+
+    def __repr__(self):
+        return f"<grader-side callable {self._handle}>"
+
+    def __del__(self):
+        try:
+            self._endpoint.forget(self._handle)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def _as_method(callback: CallbackProxy):
+    def method(*args, **kwargs):
+        return callback(*args, **kwargs)
+    return method
+
+
+class RemoteModule(types.ModuleType):
+    """A lesson module, as the judge sees it: its attributes are read from the worker's module."""
+
+    def __init__(self, name: str, endpoint: Endpoint, remote: RemoteObject):
+        super().__init__(name)
+        types.ModuleType.__setattr__(self, "_remote", remote)
+        types.ModuleType.__setattr__(self, "__path__", [])
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__") and name not in ("__file__", "__all__", "__doc__"):
+            raise AttributeError(name)
+        return getattr(self._remote, name)
+
+    def __setattr__(self, name, value):
+        if name.startswith("__") and name.endswith("__"):
+            return super().__setattr__(name, value)
+        setattr(self._remote, name, value)
+
+    def __delattr__(self, name):
+        delattr(self._remote, name)
+
+    @property
+    def __dict__(self):
+        """The worker module's namespace (what monkeypatch reads to put an attribute back)."""
+        return _RemoteNamespace(self._remote)
+
+
+class _RemoteNamespace(collections.abc.Mapping):
+    """A remote module's globals, read one name at a time."""
+
+    def __init__(self, remote: RemoteObject):
+        self.remote = remote
+
+    def __getitem__(self, name):
+        try:
+            return getattr(self.remote, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def __iter__(self):
+        return iter(self.remote.__dir__())
+
+    def __len__(self):
+        return len(self.remote.__dir__())
+
+
+class _RemoteLoader(importlib.abc.Loader):
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint
+
+    def create_module(self, spec):
+        return RemoteModule(spec.name, self.endpoint, self.endpoint.request("import", name=spec.name))
+
+    def exec_module(self, module):
+        pass
+
+
+class _RemoteFinder(importlib.abc.MetaPathFinder):
+    """Serves every module of the lesson packages as a RemoteModule."""
+
+    def __init__(self, endpoint: Endpoint, packages: set[str], prefixes: tuple[str, ...]):
+        self.endpoint, self.packages, self.prefixes = endpoint, packages, prefixes
+
+    def find_spec(self, fullname, path=None, target=None):
+        top = fullname.split(".")[0]
+        if top not in self.packages and not top.startswith(self.prefixes or ("\0",)):
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _RemoteLoader(self.endpoint), is_package=True)
+
+
+# ---------------------------------------------------------------- starting and serving
+
+_worker: subprocess.Popen | None = None
+ENDPOINT: Endpoint | None = None  # this process's judge, when it is one
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def install(command: list[str], packages: set[str], prefixes: tuple[str, ...] = ()) -> Endpoint:
+    """Start the worker (`command` + two fd numbers it reads and writes) and serve `packages`'
+    imports from it. Lesson modules already imported here would have run the student's code:
+    refused."""
+    global _worker
+    already = sorted(name for name in sys.modules
+                     if name.split(".")[0] in packages or name.startswith(prefixes or ("\0",)))
+    if already:
+        raise JudgeError(f"lesson modules were imported before the judge started: {already}")
+    to_worker_r, to_worker_w = os.pipe()
+    from_worker_r, from_worker_w = os.pipe()
+    env = {k: v for k, v in os.environ.items() if k != ENV}  # the worker judges nothing
+    _worker = subprocess.Popen([*command, str(to_worker_r), str(from_worker_w)], pass_fds=(to_worker_r, from_worker_w),
+                               stdin=subprocess.DEVNULL, env=env)
+    os.close(to_worker_r)
+    os.close(from_worker_w)
+    endpoint = Endpoint(Channel(os.fdopen(from_worker_r, "rb"), os.fdopen(to_worker_w, "wb")), "judge")
+    sys.meta_path.insert(0, _RemoteFinder(endpoint, packages, prefixes))
+    atexit.register(_stop_worker, endpoint)
+    return endpoint
+
+
+def _stop_worker(endpoint: Endpoint) -> None:
+    """Closing the channel ends the worker's loop; one that does not exit in 5 s is killed."""
+    try:
+        endpoint.channel.writer.close()
+    except OSError:
+        pass
+    if _worker is not None:
+        try:
+            _worker.wait(5)
+        except subprocess.TimeoutExpired:
+            _worker.kill()
+
+
+def lesson_packages() -> list[str]:
+    """Every `lN_<name>/` package at the repository's root, in lesson order."""
+    packages = [p.parent.name for p in ROOT.glob("l[0-9]*_*/__init__.py")]
+    return sorted(packages, key=lambda name: int(name[1:].split("_")[0]))
+
+
+def install_from_environment() -> Endpoint | None:
+    """The judge for this process when KVCOURSE_JUDGE names the worker's command: the lesson
+    packages and the tests' probes (tests/probes*.py) are served by the worker."""
+    global ENDPOINT
+    spec = os.environ.get(ENV)
+    if not spec:
+        return None
+    command = json.loads(spec)
+    if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
+        raise JudgeError(f"{ENV} must be a JSON list of strings: the command that starts the worker")
+    ENDPOINT = install(command, set(lesson_packages()), prefixes=("probes",))
+    return ENDPOINT
+
+
+def serve(read_fd: int, write_fd: int) -> None:
+    """The worker's loop: answer the judge's requests until it closes the channel."""
+    endpoint = Endpoint(Channel(os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")), "worker")
+    sys.path.append(str(ROOT / "tests"))  # tests/probes*.py
+    while True:
+        try:
+            message, blobs = endpoint.channel.recv()
+        except JudgeError:
+            return
+        endpoint.serve(message, blobs)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))
