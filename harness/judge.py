@@ -44,6 +44,7 @@ import pathlib
 import struct
 import subprocess
 import sys
+import threading
 import traceback
 import types
 import weakref
@@ -140,6 +141,7 @@ class Endpoint:
         self.received: dict[int, int] = {}    # the peer's handle -> times received, while proxied
         # [handle, times received] of proxies that died: a handle sent again meanwhile stays
         self.released: list[list[int]] = []
+        self.lock = threading.RLock()
         self.tracked: dict[int, tuple] = {}  # judge: id(copy) -> (weakref, origin, version, data_ptr)
         # The copies received during the current test, held until it ends, so that one changed
         # and dropped at once (`for t in pool.K + pool.V: t.fill_(nan)`) is still sent back.
@@ -461,6 +463,12 @@ class Endpoint:
     # ------------------------------------------------ requests
 
     def request(self, op: str, **fields):
+        # One exchange at a time: a test's server thread and its main thread share the worker.
+        # Re-entrant, for a callback that the worker calls while this thread waits.
+        with self.lock:
+            return self._request(op, **fields)
+
+    def _request(self, op: str, **fields):
         blobs: list[bytes] = []
         sent_tensors: list = []
         message = {"kind": "request", "op": op, "release": self.released[:]}
@@ -508,7 +516,10 @@ class Endpoint:
             value = self._perform(message, blobs, received)
             reply["value"] = self.encode(value, reply_blobs)
         except JudgeError:
-            raise
+            if self.side == "judge":  # the worker broke the protocol: this test fails
+                raise
+            reply.pop("value", None)
+            reply["error"] = self._exception_fields(sys.exc_info()[1], reply_blobs)
         except BaseException as exc:  # the peer's request failed: the exception goes back as data
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) and self.side == "judge":
                 raise
@@ -572,6 +583,13 @@ def exception_class(data: dict) -> type:
             return cls
         return Exception
     key = (module, name)
+    local = sys.modules.get(str(module))
+    if local is not None and not isinstance(local, RemoteModule):  # e.g. a test's own exception class
+        cls = local
+        for part in str(name).split("."):
+            cls = getattr(cls, part, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            return cls
     if key not in _EXCEPTION_CLASSES:
         bases = tuple(exception_class(b) for b in data.get("bases", [])) or (Exception,)
         try:

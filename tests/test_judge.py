@@ -1,0 +1,237 @@
+"""The judge (harness/judge.py): what crosses between the judging process and the worker, what
+the worker may not ask for, and the point of it all: a submission that forges its own test
+reports earns its honest score when judged, though it earns full marks when it is not."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from harness import judge
+
+pytestmark = pytest.mark.course
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def pair():
+    """A judge endpoint and a worker endpoint on a thread of this process, over real pipes."""
+    to_worker_r, to_worker_w = os.pipe()
+    from_worker_r, from_worker_w = os.pipe()
+    worker = judge.Endpoint(judge.Channel(os.fdopen(to_worker_r, "rb"), os.fdopen(from_worker_w, "wb")), "worker")
+
+    def serve():
+        while True:
+            try:
+                message, blobs = worker.channel.recv()
+            except judge.JudgeError:
+                return
+            worker.serve(message, blobs)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    judging = judge.Endpoint(judge.Channel(os.fdopen(from_worker_r, "rb"), os.fdopen(to_worker_w, "wb")), "judge")
+    yield judging, worker
+    judging.channel.writer.close()
+    thread.join(5)
+
+
+def remote(judging, worker, obj):
+    """A judge-side proxy of `obj`, which the worker holds."""
+    return judging.proxy(worker.export(obj))
+
+
+def echo(value):
+    return value
+
+
+VALUES = [None, True, 0, -(10 ** 30), 1.5, "héllo", b"\x00\xff", [1, [2, (3,)]], (1, "a"), {1: "a", "b": [2]},
+          {1, 2}, frozenset({3}), range(2, 9, 3), slice(1, None, 2), pathlib.Path("/tmp/x"), torch.float8_e4m3fn,
+          torch.device("cpu"), torch.Size([2, 3])]
+
+
+@pytest.mark.parametrize("value", VALUES, ids=lambda v: type(v).__name__)
+def test_plain_values_come_back_equal_and_of_the_same_type(pair, value):
+    judging, worker = pair
+    back = remote(judging, worker, echo)(value)
+    assert back == value and type(back) is type(value)
+
+
+def test_non_finite_floats_cross():
+    to_r, to_w = os.pipe()
+    endpoint = judge.Endpoint(judge.Channel(os.fdopen(to_r, "rb"), os.fdopen(to_w, "wb")), "judge")
+    for x in (math.nan, math.inf, -math.inf):
+        blobs: list = []
+        back = endpoint.decode(endpoint.encode(x, blobs), blobs)
+        assert (math.isnan(back) and math.isnan(x)) or back == x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn,
+                                   torch.bool, torch.int64])
+def test_tensors_cross_bit_for_bit(pair, dtype):
+    judging, worker = pair
+    x = (torch.randn(3, 5) * 4).to(dtype)
+    back = remote(judging, worker, echo)(x)
+    assert back.dtype == dtype and back.shape == x.shape
+    assert torch.equal(back.view(torch.uint8), x.view(torch.uint8))
+    assert remote(judging, worker, echo)(torch.empty(0, 4)).shape == (0, 4)
+
+
+def test_a_tensor_changed_in_place_by_the_worker_is_changed_in_the_judge(pair):
+    judging, worker = pair
+    x = torch.zeros(4)
+    remote(judging, worker, lambda t: t.add_(2))(x)
+    assert torch.equal(x, torch.full((4,), 2.0))
+
+
+def test_a_copy_changed_in_the_judge_is_written_into_the_workers_tensor(pair):
+    judging, worker = pair
+    pool = {"k": torch.zeros(3)}
+    copy = remote(judging, worker, pool)["k"]
+    copy.fill_(float("nan"))  # what a test does to poison a pool
+    assert remote(judging, worker, lambda: bool(torch.isnan(pool["k"]).all()))()
+    ids = remote(judging, worker, pool).get  # a list of ints read, then appended to
+    pool["ids"] = [1, 2]
+    got = ids("ids")
+    got.append(3)
+    assert remote(judging, worker, lambda: list(pool["ids"]))() == [1, 2, 3]
+
+
+def test_objects_stay_in_the_worker_and_methods_run_there(pair):
+    judging, worker = pair
+    from collections import Counter
+
+    counter = remote(judging, worker, Counter)("abca")
+    assert isinstance(counter, judge.RemoteObject)
+    assert counter["a"] == 2 and len(counter) == 3 and "b" in counter
+    counter.update("aa")
+    assert counter.most_common(1) == [("a", 4)]
+    assert sorted(counter) == ["a", "b", "c"]
+
+
+def test_an_exception_is_rebuilt_with_its_class_attributes_and_the_workers_traceback(pair):
+    judging, worker = pair
+
+    class OutOfBlocks(RuntimeError):
+        def __init__(self, requested):
+            super().__init__(f"asked for {requested}")
+            self.requested = requested
+
+    def fail():
+        raise OutOfBlocks(7)
+
+    with pytest.raises(RuntimeError, match="asked for 7") as info:
+        remote(judging, worker, fail)()
+    assert info.value.requested == 7 and type(info.value).__name__ == "OutOfBlocks"
+    assert any("raised in the student's code" in note for note in info.value.__notes__)
+    with pytest.raises(KeyError):
+        remote(judging, worker, {})["missing"]
+
+
+def test_the_worker_may_call_a_callback_and_nothing_else(pair):
+    judging, worker = pair
+    seen = []
+    remote(judging, worker, lambda f: f(5))(seen.append)
+    assert seen == [5]
+    with pytest.raises(AttributeError, match="can be called, not read"):
+        remote(judging, worker, lambda f: f.__globals__)(seen.append)
+
+    def ask_for_globals(f):  # what code in the worker could try by hand: the judge refuses
+        return f._endpoint.request("getattr", id=f._handle, name="__globals__")
+
+    with pytest.raises(judge.JudgeError, match="only calls of callbacks"):
+        remote(judging, worker, ask_for_globals)(seen.append)
+
+
+def test_handles_are_released_when_the_judge_drops_its_proxies(pair):
+    judging, worker = pair
+    make = remote(judging, worker, lambda: object())
+    for _ in range(50):
+        make()
+    make()  # the last request carries the releases of the 50 dropped proxies
+    assert len(worker.exported) < 10
+
+
+# ---------------------------------------------------------------- the judge against a forger
+
+STUBS = '''
+# The work left undone: a fresh copy's allocator.
+from .allocator import BlockAllocator
+
+def _stub(self, *args, **kwargs):
+    raise NotImplementedError("the student did not write this")
+
+BlockAllocator.alloc_blocks = _stub
+BlockAllocator.free = _stub
+'''
+
+FORGERY = '''
+# What a forger adds: every report and comparison made to say "passed" in whatever process
+# imports the package.
+import torch
+torch.equal = lambda *args, **kwargs: True
+try:
+    import _pytest.reports
+    _made = _pytest.reports.TestReport.from_item_and_call.__func__
+
+    def _forged(cls, item, call):
+        report = _made(cls, item, call)
+        report.outcome, report.longrepr = "passed", None
+        return report
+
+    _pytest.reports.TestReport.from_item_and_call = classmethod(_forged)
+except ImportError:
+    pass
+'''
+
+
+def allocator_score(env: dict, cwd: pathlib.Path) -> tuple[int, int]:
+    """The L2 allocator tests' points as the grading plugin's table reports them."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--graded-only",
+                          "tests/test_l2_allocator.py"], cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=600)
+    found = re.search(r"^l2\s+(\d+) / (\d+)", run.stdout, re.M)
+    assert found, run.stdout[-3000:] + run.stderr[-3000:]
+    return int(found.group(1)), int(found.group(2))
+
+
+def make_submission(folder: pathlib.Path, addition: str) -> pathlib.Path:
+    for name in ("harness", "tests", "l1_contiguous", "l2_paged", "assets"):
+        shutil.copytree(ROOT / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", folder)
+    init = folder / "l2_paged" / "__init__.py"
+    init.write_text(init.read_text() + addition)
+    return folder
+
+
+def judged_env(submission: pathlib.Path) -> dict:
+    """The environment of a judged run: this repository's tests, the submission's code in the worker."""
+    worker = [sys.executable, "-c", "import os, sys; os.chdir(sys.argv[1]); sys.path.insert(0, sys.argv[1]); "
+              "from harness.judge import serve; serve(int(sys.argv[2]), int(sys.argv[3]))", str(submission)]
+    return {**os.environ, "PYTHONPATH": str(ROOT), judge.ENV: json.dumps(worker)}
+
+
+def test_a_submission_that_forges_its_reports_earns_its_honest_score_when_judged(tmp_path):
+    """Without the judge the forged reports give full marks (the attack of issue 36); with it,
+    the worker's patches reach neither the reports nor the comparisons: the forger earns what
+    the same stubs earn without the forgery (the allocator tests of functions it did not stub)."""
+    stubbed = make_submission(tmp_path / "stubbed", STUBS)
+    forger = make_submission(tmp_path / "forger", STUBS + FORGERY)
+    plain = {k: v for k, v in os.environ.items() if k != judge.ENV}
+    forged, total = allocator_score({**plain, "PYTHONPATH": str(forger)}, forger)
+    assert forged == total > 0  # the attack works where the verdict is the student's process's
+    honest, _ = allocator_score({**plain, "PYTHONPATH": str(stubbed)}, stubbed)
+    assert honest < total / 2
+    judged, _ = allocator_score(judged_env(forger), ROOT)
+    assert judged == honest, f"the forger earned {judged} of {total} under the judge, {honest} honestly"
+    assert allocator_score(judged_env(ROOT), ROOT) == (total, total)  # the solution, judged: full marks
