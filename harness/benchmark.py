@@ -521,8 +521,6 @@ def measure_machine(cfg, dtype=torch.float32, rows=(64, 256), repeat: int = 5, r
     MLP up-projection ([rows, hidden] x [intermediate, hidden]) at each of `rows`, by `F.linear` and,
     where it runs, by the engine's packed product (l5_eviction/fast_linear.py): the fastest kept,
     so that the floor stays a bound for every system."""
-    import torch.nn.functional as F
-
     from l5_eviction.fast_linear import PackedLinear, can_pack
 
     data = torch.ones(read_mib * 2**20 // dtype.itemsize, dtype=dtype)

@@ -25,6 +25,17 @@ What crosses, and how (both directions use the same encoding):
   writes, calls, indexing, iteration, len, comparisons, hashing, str and context managers.
 - anything else the judge passes (a callback, a test's own object): a handle the worker may only
   call, never read attributes of, so it cannot walk from a callback to the judge's globals.
+
+What a test must do differently to run judged (one code path still; tests/probes.py):
+- watch the student's code from inside the worker: a hook on torch's modules, a subclass of a
+  lesson class, a data_ptr comparison go in tests/probes*.py, which the worker imports;
+- hold a copy only as long as it means the worker's tensor: copies read from the worker and
+  changed in place are written back before the judge's next message, for the test's duration.
+
+Status (2026-11-27): the Gradescope runner does not use it yet. L1-L3's graded tests (115) and
+L5's engine, mixed-batch and smoke tests pass judged; L5's property tests run ~10x slower (each
+step's invariants read the engine attribute by attribute, one request each: they belong in a
+probe that returns one snapshot); the later lessons are being brought over test file by file.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import builtins
 import collections
 import collections.abc
 import copy
+import enum
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -142,6 +154,8 @@ class Endpoint:
         # [handle, times received] of proxies that died: a handle sent again meanwhile stays
         self.released: list[list[int]] = []
         self.lock = threading.RLock()
+        self.pinned: dict[int, Any] = {}  # proxies kept for good: enum members, compared with `is`
+        self.functions: dict[tuple[str, str], Any] = {}  # (module, name) -> proxy, see _module_handle
         self.tracked: dict[int, tuple] = {}  # judge: id(copy) -> (weakref, origin, version, data_ptr)
         # The copies received during the current test, held until it ends, so that one changed
         # and dropped at once (`for t in pool.K + pool.V: t.fill_(nan)`) is still sent back.
@@ -261,6 +275,8 @@ class Endpoint:
             return {"t": "yours", "id": value._handle}
         if isinstance(value, RemoteModule) and value._remote._endpoint is self:
             return {"t": "yours", "id": value._remote._handle}
+        if isinstance(value, enum.Enum):  # pinned: `r.state is State.RUNNING` needs one proxy a member
+            return {"t": "ref", "id": self.export(value), "pin": True}
         return {"t": "ref", "id": self.export(value)}
 
     def _encode_tensor(self, tensor, blobs, tensors):
@@ -354,7 +370,10 @@ class Endpoint:
         if kind == "ref":
             if not isinstance(data.get("id"), int):
                 raise JudgeError("a handle that is not an integer")
-            return self.proxy(data["id"])
+            proxy = self.proxy(data["id"])
+            if data.get("pin"):
+                self.pinned[data["id"]] = proxy
+            return proxy
         raise JudgeError(f"unknown value kind {kind!r}")
 
     def _decode_tensor(self, data, blobs, received):
@@ -677,6 +696,15 @@ class RemoteObject:
         except Exception:  # interpreter shutdown
             pass
 
+    def __copy__(self):
+        return self._endpoint.request("call", id=_module_handle(self._endpoint, "copy", "copy"), args=[self])
+
+    def __deepcopy__(self, memo):
+        return self._endpoint.request("call", id=_module_handle(self._endpoint, "copy", "deepcopy"), args=[self])
+
+    def __reduce__(self):
+        raise TypeError("an object of the student's code lives in the grading worker and cannot be pickled")
+
     __next__ = _operator("next")
     __bool__ = _operator("bool")
     __len__ = _operator("len")
@@ -706,6 +734,14 @@ class RemoteObject:
     __abs__ = _operator("abs")
     __enter__ = _operator("enter")
     __exit__ = _operator("exit")
+
+
+def _module_handle(endpoint: Endpoint, module: str, name: str) -> int:
+    """The worker's handle of `module.name` (a standard-library function), fetched once."""
+    cached = endpoint.functions.get((module, name))
+    if cached is None:
+        cached = endpoint.functions[(module, name)] = getattr(endpoint.request("import", name=module), name)
+    return cached._handle
 
 
 # What a RemoteObject's special methods do in the worker: Python's own operators, so that an
@@ -739,6 +775,15 @@ class CallbackProxy:
 
     def __repr__(self):
         return f"<grader-side callable {self._handle}>"
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):  # a copied model keeps the test's hook, as in one process
+        return self
+
+    def __reduce__(self):
+        raise TypeError("a grader-side callable cannot be pickled")
 
     def __del__(self):
         try:
