@@ -32,8 +32,6 @@ import pytest
 
 from harness import judge as _judge
 
-
-
 # {"l1": "l1_contiguous", ...}: the one list of lessons, from the `lN_<name>/` packages at the
 # repository's root: adding a lesson's package adds it to grading and the bundle.
 LESSON_PACKAGES = {name.split("_")[0]: name for name in _judge.lesson_packages()}

@@ -633,10 +633,8 @@ def rebuild_exception(data: dict, args, attrs: dict) -> BaseException:
             setattr(exc, name, value)
         except (AttributeError, TypeError):
             pass
-    if cls.__str__ is _remote_str:
+    if cls.__str__ is _remote_str:  # a builtin's str follows from its args, as in the worker
         exc.__dict__["_remote_str"] = data.get("str", "")
-    elif str(exc) != data.get("str"):  # a builtin whose str is not its args' (KeyError's quotes are)
-        exc.args = (data.get("str", ""),) if not isinstance(exc, KeyError) else exc.args
     exc.add_note("raised in the student's code (the grading worker):\n" + str(data.get("tb", ""))[-4000:])
     return exc
 
