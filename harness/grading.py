@@ -133,6 +133,8 @@ _items: dict[str, pytest.Item] = {}
 def pytest_runtest_teardown(item, nextitem):
     if JUDGE is not None:
         JUDGE.drop_copies()
+        if JUDGE.broken:  # the worker is gone (judge.py: Endpoint.stop): the later tests are not run
+            item.session.shouldstop = JUDGE.broken
 
 
 def pytest_runtest_setup(item):

@@ -24,6 +24,13 @@ def prefilled_then_one_token_per_step(lengths: list[int], prompt_len: int) -> bo
     return lengths[:1] == [prompt_len] and set(lengths[1:]) <= {1}
 
 
+def blocks_for(positions: int, block_size: int) -> int:
+    """Blocks that hold `positions` K/V positions: the tests' own count, not the student's
+    blocks_needed (which a test of the engine must not trust, and under the judge would cost a
+    request each time)."""
+    return -(-positions // block_size)
+
+
 def budget(full: int, quick: int) -> int:
     """How many requests or examples a soak or property test runs: `quick` in the fast loop."""
     return quick if QUICK else full

@@ -10,9 +10,12 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
+import types
 
 import pytest
 import torch
@@ -160,6 +163,68 @@ def test_handles_are_released_when_the_judge_drops_its_proxies(pair):
         make()
     make()  # the last request carries the releases of the 50 dropped proxies
     assert len(worker.exported) < 10
+
+
+def test_copies_the_test_let_go_are_not_watched_and_one_it_keeps_still_writes_back(pair):
+    """Lists read from the worker are watched for changes the test makes, but only while the test
+    holds them: watching every list a test ever read made each request slower than the last."""
+    judging, worker = pair
+    holder = types.SimpleNamespace(items=[1, 2, 3])
+    read = remote(judging, worker, lambda: holder.items)
+    for _ in range(200):
+        assert read() == [1, 2, 3]
+    kept = read()
+    read()
+    assert len(judging.containers) <= 2  # the kept copy and the last one read
+    kept.append(4)
+    read()  # the change goes with the next request
+    assert holder.items == [1, 2, 3, 4]
+
+
+def test_a_snapshot_reads_fields_and_properties_in_one_request_and_is_read_only(pair):
+    from l2_paged import BlockAllocator
+
+    judging, worker = pair
+    alloc = BlockAllocator(8, 4)
+    alloc.alloc_blocks(3)
+    proxy = remote(judging, worker, alloc)
+    sent = []
+    send = judging.channel.send
+    judging.channel.send = lambda message, blobs: (sent.append(message["op"]), send(message, blobs))
+    first, second = judging.request("snapshot", value=[proxy, proxy])
+    assert sent == ["snapshot"]
+    assert first is second  # one object of the worker's, one view of it
+    assert first.free_blocks == alloc.free_blocks and first.num_free == 5 and first.num_used == 3
+    assert sent == ["snapshot"]  # fields and properties were in the reply
+    with pytest.raises(AttributeError, match="read-only"):
+        first.num_blocks = 2
+    first.alloc_blocks(2)  # a method is the object's: it runs in the worker
+    assert alloc.num_free == 3 and first.num_free == 5  # a snapshot does not follow
+    assert judge.snapshot(alloc) is alloc  # in one process, the object itself
+
+
+def test_an_interrupted_request_stops_the_worker_and_every_later_request_fails(pair):
+    """A test interrupted while the worker runs its code (its time limit) leaves a reply on the
+    way: the next request would read it as its own. The judge uses the channel no more."""
+    judging, worker = pair
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Interrupted):
+            remote(judging, worker, time.sleep)(1.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert "interrupted" in judging.broken
+    with pytest.raises(judge.JudgeError, match="interrupted"):
+        remote(judging, worker, echo)(1)
 
 
 # ---------------------------------------------------------------- the judge against a forger

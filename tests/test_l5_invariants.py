@@ -15,8 +15,9 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from helpers import budget
-from l2_paged import blocks_needed, kv_positions_needed
+from harness.judge import snapshot
+from helpers import blocks_for, budget
+from l2_paged import kv_positions_needed
 from l5_eviction import MODES, POLICIES, RequestTooLargeError, State, WorkItem, load_engine_model, make_engine
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, quarter_pool
 
@@ -29,6 +30,7 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atte
 
 
 def check_invariants(engine) -> None:
+    engine = snapshot(engine)  # judged, one request instead of one per attribute read
     alloc, s, bs = engine.alloc, engine.scheduler, engine.alloc.block_size
     owner: dict[int, int] = {}
     for r in engine.requests.values():
@@ -50,12 +52,12 @@ def check_invariants(engine) -> None:
                 State.SWAPPED: {"swapped"}, State.FINISHED: {None}}
     for r in engine.requests.values():
         assert where.get(r.request_id) in expected[r.state], (r.request_id, r.state, where.get(r.request_id))
-        held = blocks_needed(r.cur_len, bs) if r.state is State.RUNNING else 0
+        held = blocks_for(r.cur_len, bs) if r.state is State.RUNNING else 0
         assert len(r.blocks) == held, f"request {r.request_id} ({r.state}) holds {len(r.blocks)} blocks, expected {held}"
         assert r.slot_indices == [b * bs + i for b in r.blocks for i in range(bs)]
         assert (r.swapped is not None) == (r.state is State.SWAPPED)
         if r.state is State.SWAPPED:
-            assert r.swapped.k[0].shape[0] == blocks_needed(r.cur_len, bs)
+            assert r.swapped.k[0].shape[0] == blocks_for(r.cur_len, bs)
         if r.state is State.WAITING:
             assert r.cur_len == 0  # new, or preempted for recompute: nothing cached
         assert len(r.output_ids) <= r.max_new_tokens
@@ -342,7 +344,7 @@ def test_random_operations_keep_every_invariant(ops, mode, policy, chunk, waterm
         if op[0] == "add":
             _, prompt, max_new, priority, delay = op
             item = WorkItem(prompt, max_new, arrival_step=engine.now + delay, priority=priority)
-            if blocks_needed(kv_positions_needed(len(prompt), max_new), BLOCK_SIZE) > num_blocks:
+            if blocks_for(kv_positions_needed(len(prompt), max_new), BLOCK_SIZE) > num_blocks:
                 with pytest.raises(RequestTooLargeError):
                     engine.add_request(item)
             else:

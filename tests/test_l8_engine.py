@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from harness import hf_reference as hf
-from helpers import random_prompt
-from l2_paged import blocks_needed
+from harness.judge import snapshot
+from helpers import blocks_for, random_prompt
 from l5_eviction import State, WorkItem, load_engine_model
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
 from l8_prefix.engine import PrefixRequest
@@ -61,13 +61,14 @@ def guard_writes(engine) -> None:
     real, alloc = engine.runner.forward_logits, engine.alloc
 
     def forward_logits(reqs, num_new):
-        for req, n in zip(reqs, num_new):
+        views, now = snapshot((reqs, alloc))  # judged: one request for what the checks read
+        for req, n in zip(views, num_new):
             for pos in range(req.cur_len, req.cur_len + n):
-                i = pos // alloc.block_size
+                i = pos // now.block_size
                 assert i < len(req.blocks), f"request {req.request_id}: position {pos} has no block reserved"
-                assert alloc.ref_count[req.blocks[i]] == 1, (
+                assert now.ref_count[req.blocks[i]] == 1, (
                     f"request {req.request_id} writes position {pos} into block {req.blocks[i]}, "
-                    f"which {alloc.ref_count[req.blocks[i]]} tables hold")
+                    f"which {now.ref_count[req.blocks[i]]} tables hold")
         return real(reqs, num_new)
 
     engine.runner.forward_logits = forward_logits
@@ -75,6 +76,7 @@ def guard_writes(engine) -> None:
 
 def check_invariants(engine) -> None:
     """The accounting invariants of DESIGN.md, after any operation."""
+    engine = snapshot(engine)  # judged: one request for what the checks read
     alloc, bs = engine.alloc, engine.alloc.block_size
     alloc.check()  # each block in exactly one place; no negative count; key maps agree
     holders = Counter(b for r in engine.requests.values() for b in r.blocks)
@@ -85,7 +87,7 @@ def check_invariants(engine) -> None:
             assert not r.blocks, f"request {r.request_id} is {r.state.value} but holds {r.blocks}"
             continue
         assert len(set(r.blocks)) == len(r.blocks)
-        assert len(r.blocks) == blocks_needed(r.cur_len, bs), (r.request_id, r.cur_len, r.blocks)
+        assert len(r.blocks) == blocks_for(r.cur_len, bs), (r.request_id, r.cur_len, r.blocks)
         keys = chain_keys(r.tokens[:r.cur_len], bs)  # what each of its computed full blocks holds
         for i, b in enumerate(r.blocks):
             if b in alloc.key_of:

@@ -10,53 +10,24 @@ Two drivers:
 
 from __future__ import annotations
 
-import struct
-import zlib
-from types import SimpleNamespace
-
 import pytest
-import torch
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from fingerprints import FAKE_EOS, FAKE_VOCAB, fingerprint, next_token
+from harness.judge import snapshot
 from helpers import budget
-from l1_contiguous.config import Qwen3Config
-from l2_paged import reserve
 from l5_eviction import State
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
 from test_l8_engine import PREFIX, check_all_released, check_invariants, guard_writes, tail
+from probes_l8 import FakeModel, install_fake_forward
 from test_l8_engine import hf_ref, model  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.l8, pytest.mark.usefixtures("one_torch_thread")]
 
 # ---------------------------------------------------------------- a model that is only bookkeeping
-
-FAKE_VOCAB, FAKE_EOS = 16, 0
-FAKE_CFG = Qwen3Config(vocab_size=FAKE_VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                       num_attention_heads=1, num_key_value_heads=1, head_dim=1, rope_theta=1e4,
-                       rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
-                       eos_token_ids=(FAKE_EOS,))
-
-
-class FakeModel:
-    """What the engine reads of a model: its config, device, dtype and attention layers (none here,
-    so nothing for the engine's model check to refuse). Forwards are FakeForward's."""
-
-    config, device, dtype = FAKE_CFG, torch.device("cpu"), torch.float32
-    model = SimpleNamespace(layers=())
-
-
-def _crc(tokens) -> int:
-    return zlib.crc32(struct.pack(f"<{len(tokens)}q", *tokens))
-
-
-def fingerprint(tokens) -> float:
-    """A float32-exact number naming a whole token prefix: the fake 'K' of its last token."""
-    return (_crc(tokens) % 2**24) / 2**24
-
-
-def next_token(tokens) -> int:
-    return _crc([7, *tokens]) % FAKE_VOCAB
+# FakeModel and its forward live in probes_l8.py (they run where the engine runs); the arithmetic
+# they share with this test's expected ids, in fingerprints.py.
 
 
 def alone(prompt: list[int], max_new: int) -> list[int]:
@@ -68,32 +39,11 @@ def alone(prompt: list[int], max_new: int) -> list[int]:
     return out
 
 
-class FakeForward:
-    """Replaces runner.forward_logits: checks every read, refuses shared writes, writes fingerprints."""
-
-    def __init__(self, engine):
-        self.alloc, self.k = engine.alloc, engine.pool.K[0][:, 0, 0]  # [num_slots] view of layer 0's K
-
-    def __call__(self, reqs, num_new):
-        rows = torch.zeros(len(reqs), FAKE_VOCAB)
-        for row, (req, n) in enumerate(zip(reqs, num_new)):
-            reserve(req, self.alloc, req.cur_len + n)  # as the real runner does (a no-op: the scheduler did it)
-            tokens = req.tokens
-            for pos in range(req.cur_len):
-                got, want = float(self.k[req.slot_indices[pos]]), fingerprint(tokens[:pos + 1])
-                assert got == want, f"request {req.request_id} reads position {pos} from another prefix's K"
-            for pos in range(req.cur_len, req.cur_len + n):
-                block = req.blocks[pos // self.alloc.block_size]
-                assert self.alloc.ref_count[block] == 1, f"write into block {block}, shared"
-                self.k[req.slot_indices[pos]] = fingerprint(tokens[:pos + 1])
-            req.cur_len += n
-            rows[row, next_token(tokens[:req.cur_len])] = 1.0
-        return rows
-
-
 def check_cached_contents(engine, known: dict[bytes, list[int]]) -> None:
     """Every keyed block (in use or cached free) holds the K of exactly the prefix its key names."""
-    alloc, bs, k = engine.alloc, engine.alloc.block_size, engine.pool.K[0][:, 0, 0]
+    k = engine.pool.K[0][:, 0, 0]
+    engine = snapshot(engine)
+    alloc, bs = engine.alloc, engine.alloc.block_size
     for r in engine.requests.values():
         for i, key in enumerate(chain_keys(r.tokens, bs)):
             known[key] = r.tokens[:(i + 1) * bs]
@@ -173,7 +123,7 @@ def test_random_admit_step_abort_keep_invariants_fake_forward(setup, plan):
     engine = make_prefix_engine(FakeModel(), pool_size(setup, longest), setup["block_size"],
                                 prefix_sharing=setup["sharing"], preempt=setup["preempt"],
                                 prefill_chunk=setup["prefill_chunk"], backend="reference")
-    engine.runner.forward_logits = FakeForward(engine)
+    install_fake_forward(engine)
     known: dict[bytes, list[int]] = {}
 
     def after_each():
@@ -238,17 +188,19 @@ def watch_holds(engine) -> None:
     scheduler, real = engine.scheduler, engine.scheduler.schedule
 
     def schedule(now):
-        bs = engine.alloc.block_size
-        keys = {r.request_id: chain_keys(r.tokens[:-1], bs) for r in scheduler.waiting}
-        in_flight = {k for r in scheduler.running for k in pending_keys(r)}
+        before = snapshot(scheduler)  # judged: one request for what the checks read
+        bs = before.alloc.block_size
+        keys = {r.request_id: chain_keys(r.tokens[:-1], bs) for r in before.waiting}
+        in_flight = {k for r in before.running for k in pending_keys(r)}
         plan = real(now)
-        in_flight |= {k for r, _ in plan if r.request_id in keys for k in pending_keys(r)}
+        after, planned = snapshot((engine, plan))
+        in_flight |= {k for r, _ in planned if r.request_id in keys for k in pending_keys(r)}
         # A request swapped back in by this schedule computes from the next step: holding for it
         # is a one-step wait for a hit, as for a running request the prefill budget left out.
-        in_flight |= {k for r in scheduler.running for k in pending_keys(r)}
-        for i in scheduler.held_now:
+        in_flight |= {k for r in after.scheduler.running for k in pending_keys(r)}
+        for i in after.scheduler.held_now:
             assert set(keys[i]) & in_flight, f"request {i} held although nobody computes its prefix"
-        assert all(r.held_steps <= engine.max_prefix_hold for r in engine.requests.values())
+        assert all(r.held_steps <= after.max_prefix_hold for r in after.requests.values())
         return plan
 
     scheduler.schedule = schedule
@@ -271,7 +223,7 @@ def test_bursts_sharing_prefixes_keep_invariants_and_hold_boundedly_fake_forward
     engine = make_prefix_engine(FakeModel(), pool_size(setup, longest), setup["block_size"],
                                 prefix_sharing=True, preempt=setup["preempt"], prefill_chunk=setup["prefill_chunk"],
                                 max_prefix_hold=setup["max_prefix_hold"], backend="reference")
-    engine.runner.forward_logits = FakeForward(engine)
+    install_fake_forward(engine)
     watch_holds(engine)
     known: dict[bytes, list[int]] = {}
 
