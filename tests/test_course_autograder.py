@@ -30,7 +30,7 @@ PACKAGES = tuple(LESSON_PACKAGES.values())
 FAST = "tests/test_l2_allocator.py"  # L2's allocator, reserve, meta and mask: a few seconds
 HIDDEN = "tests/test_l2_allocator.py::test_random_alloc_free_sequences_keep_every_invariant"
 HIDDEN_FILE = "test_l2_hidden_extra.py"  # only in the bundle, from the hidden tests folder
-HIDDEN_TEST = f"""import pytest
+HIDDEN_TEST = """import pytest
 from l2_paged import BlockAllocator
 
 
@@ -227,9 +227,9 @@ def test_the_whole_run_has_a_time_limit_and_the_finished_tests_still_count(bundl
     results = run_bundle(bundle, submit(tmp_path, ROOT, edits=edits), tmp_path, select=FAST,
                          test_timeout=600, time_limit=20)
     assert results["seconds"] < 80
-    assert "The time limit was reached in the tests part" in results["output"]
+    assert "The time limit was reached in the judged tests part" in results["output"]
     passed = [t for t in results["tests"] if t["status"] == "passed"]
-    not_run = [t for t in results["tests"] if "Not run: the time limit of the tests part" in t["output"]]
+    not_run = [t for t in results["tests"] if "Not run: the time limit of the judged tests part" in t["output"]]
     assert passed and not_run and results["score"] == sum(t["max_score"] for t in passed)
 
 
@@ -279,19 +279,28 @@ def _forged(entry):
     _log(entry)
 _grading._log_outcome = _forged
 '''
+PATCHED_COMPARISONS = '''
+import torch as _torch  # every comparison a test could make says "equal"
+_torch.equal = _torch.allclose = lambda *args, **kwargs: True
+_torch.testing.assert_close = lambda *args, **kwargs: None
+_torch.Tensor.__eq__ = lambda self, other: _torch.ones((), dtype=_torch.bool)
+'''
 
 
-@pytest.mark.parametrize("cheat", [PLUGIN_PATCH + ATEXIT_REWRITE, FORGED_OUTCOMES], ids=["plugin-and-atexit", "forged-outcomes"])
+@pytest.mark.parametrize("cheat", [PLUGIN_PATCH + ATEXIT_REWRITE, FORGED_OUTCOMES, PATCHED_COMPARISONS],
+                         ids=["plugin-and-atexit", "forged-outcomes", "patched-comparisons"])
 def test_patching_the_grader_from_a_stub_submission_earns_nothing_and_is_flagged(bundle, tmp_path, cheat):
+    """A stub's honest score is 0; so is the cheat's. The graded tests are judged: the patches
+    change the worker's harness and torch, never the grader's reports or comparisons (so no canary
+    is forged either: the forgery never reaches them)."""
     init = "l1_contiguous/__init__.py"
     text = (bundle / "source" / init).read_text()
     results = run_bundle(bundle, submit(tmp_path, bundle / "source", edits={init: (text, text + cheat)}), tmp_path)
     assert results["score"] == 0, [t["name"] for t in results["tests"] if t["score"]]
-    assert results["tests"]
-    assert "FLAG for the instructor: l1_contiguous/__init__.py: the grading plugin" in results["log"]
-    if cheat == FORGED_OUTCOMES:
-        assert "canary tests that must fail were reported as passed" in results["log"]
-        assert "could not be trusted" in results["output"]
+    assert results["tests"] and "== judged tests:" in results["log"]
+    assert results["extra_data"]["forged_canaries"] == []
+    if cheat != PATCHED_COMPARISONS:
+        assert "FLAG for the instructor: l1_contiguous/__init__.py: the grading plugin" in results["log"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the worker switches to an unprivileged user only when run as root")
@@ -331,21 +340,25 @@ def note_of(marker: Path) -> str:
 
 
 DAEMON = """
-import os as _os, re as _re, sys as _sys, time as _time
-if "--outcomes-log" in _sys.argv and not _os.environ.get("_DAEMON_STARTED"):
+import os as _os, re as _re, time as _time
+if not _os.environ.get("_DAEMON_STARTED"):
     _os.environ["_DAEMON_STARTED"] = "1"
-    _worker, _fd = _os.getpid(), int(_sys.argv[_sys.argv.index("--outcomes-log") + 1].rsplit("/", 1)[1])
+    _worker = _os.getpid()
     if _os.fork() == 0:
         _os.setsid()
-        if _os.fork() == 0:  # detached: outlives the worker, then reports every test of the file as passed
-            open(MARKER, "w").write(str(_os.getpid()))
+        if _os.fork() == 0:  # detached: outlives the worker, then reports every test as passed on every
+            open(MARKER, "w").write(str(_os.getpid()))  # descriptor it holds (a pipe to the grader?)
             _names = _re.findall(r"^def (test_\\w+)", open("tests/test_l2_allocator.py").read(), _re.M)
             while _os.path.exists(f"/proc/{_worker}"):
                 _time.sleep(0.01)
-            for _name in _names:
-                for _when in ("setup", "call", "teardown"):
-                    _os.write(_fd, ('{"nodeid": "tests/test_l2_allocator.py::%s", "when": "%s", "outcome": '
-                                    '"passed", "output": ""}\\n' % (_name, _when)).encode())
+            for _fd in range(3, 256):
+                for _name in _names:
+                    for _when in ("setup", "call", "teardown"):
+                        try:
+                            _os.write(_fd, ('{"nodeid": "tests/test_l2_allocator.py::%s", "when": "%s", "outcome": '
+                                            '"passed", "output": ""}\\n' % (_name, _when)).encode())
+                        except OSError:
+                            pass
             _time.sleep(3600)
         _os._exit(0)
 """
@@ -449,12 +462,13 @@ if _hidden:  # every test that imports this fails with the hidden tests' source 
 
 
 def test_a_hidden_test_files_source_never_reaches_a_visible_output(bundle, tmp_path):
+    """Judged, the hidden file is in the grader's tree only, closed to the worker while it runs."""
     results = run_bundle(bundle, stub_with(bundle, tmp_path, LEAK), tmp_path, select=f"{FAST} tests/{HIDDEN_FILE}")
     visible = [t for t in results["tests"] if t["visibility"] == "visible"]
     hidden = [t for t in results["tests"] if t["name"].startswith(f"tests/{HIDDEN_FILE}")]
     assert visible and hidden and all(t["visibility"] == "after_published" for t in hidden)
-    assert "LEAK" in hidden[0]["output"]  # the attack works where it may: in the hidden tests' own output
-    assert not [t["name"] for t in visible if "LEAK" in t["output"]]
+    # Judged, the hidden file is in the grader's tree only: the worker cannot read it even while it runs.
+    assert not [t["name"] for t in results["tests"] if "LEAK" in t["output"]]
     assert "test_two_blocks_come_back_in_the_free_list" not in results["output"] + results["log"]
 
 

@@ -9,30 +9,40 @@ results.json:
    symlinks, devices, pipes and bigger files are skipped, never followed, and named. Which
    packages were graded, which were not found and which files were skipped goes into results.json's
    top-level `output`, which the student sees.
-2. The tests run in parts, each its own worker: the visible tests, the notebooks, and the hidden
-   test files (instructor/hidden_tests/), which are in the scratch copy only during their own part,
-   so no visible output can carry their source. Each part has two planted canary tests with random
-   names, which must fail, and its share of the whole run's time limit; a part that is cut off
-   costs only its own unfinished tests.
-3. A worker runs pytest as an unprivileged user (always, when this runs as root, as on Gradescope:
+2. The tests run in parts: the judged tests, the other visible tests, the notebooks, and the
+   hidden test files (instructor/hidden_tests/), which are in a scratch tree only during their own
+   part, so no visible output can carry their source. Each part has two planted canary tests with
+   random names, which must fail, and its share of the whole run's time limit; a part that is cut
+   off costs only its own unfinished tests.
+3. Judged parts (the lessons in JUDGED_LESSONS): pytest runs as the grader, in a tree of the
+   bundle's own files that the worker cannot read (hidden tests included), with KVCOURSE_JUDGE set
+   (harness/judge.py): it never imports the student's packages. They run in a worker this file
+   starts (`--worker`) as the unprivileged user, in the scratch copy of the upload, which answers
+   with plain data only; every assertion, the HF oracle and the reports stay with the grader. A
+   test stopped by its time limit while the student's code ran stops that worker; the tests not
+   yet run go on with a new one.
+4. Other parts: pytest itself runs in the worker, as the unprivileged user, tests and student code
+   in one process (the judge is not yet used for them: see JUDGED_LESSONS).
+5. Every worker runs as the unprivileged user (always, when this runs as root, as on Gradescope:
    if that is impossible nothing is run and the instructor is told), in its own session, with
    limits on memory, processes, file size and core dumps. The scratch copy (tests, harness) is
    the grader's and read-only to the worker, which writes only in its own home folder. When the
    part ends, every process of that user is killed, wherever it moved.
-4. Outcomes come test by test through a pipe (the grading plugin's `--outcomes-log`); the first
+6. Outcomes come test by test through a pipe (the grading plugin's `--outcomes-log`); the first
    report of each test phase counts, so nothing written later can change it. Points come from the
    manifest collected from the bundle's own copy when it was built, never from the worker. A canary
    reported as passed means the reports were forged: the submission gets 0 and is flagged.
-5. Each test's time limit is AUTOGRADER_TEST_TIMEOUT times the machine's measured slowdown (a fixed
+7. Each test's time limit is AUTOGRADER_TEST_TIMEOUT times the machine's measured slowdown (a fixed
    workload timed before grading, against its time on an idle machine), so a loaded machine does
    not fail tests that an idle one passes.
-6. Flags for the instructor (results.json's `extra_data`, and the log): in submitted files that
+8. Flags for the instructor (results.json's `extra_data`, and the log): in submitted files that
    differ from the handout, uses of what only code working against the grader needs, counted in
    the code with comments and strings removed, beyond what the handout's file already has.
 
-What this does not stop (the judge is still the worker's pytest): code that runs in the worker
-can forge that worker's reports of anything but the canaries, patch comparisons, or read a test's
-source; the flags and a look at flagged submissions are the defence there.
+What this does not stop: in the parts that are not judged, code that runs in the worker can forge
+that worker's reports of anything but the canaries, patch comparisons, or read a test's source;
+the flags and a look at flagged submissions are the defence there. In judged parts it can change
+only what its own functions return.
 
 Settings (environment): AUTOGRADER_ROOT (/autograder), AUTOGRADER_SOURCE ($ROOT/source),
 AUTOGRADER_SUBMISSION ($ROOT/submission), AUTOGRADER_RESULTS ($ROOT/results/results.json),
@@ -76,6 +86,13 @@ MAX_FILE_BYTES = 1 << 30  # the largest file a worker process may write
 # The calibration workload and its median time on an idle 2-core machine of the course's kind.
 CALIBRATION_REFERENCE_S = 0.11
 MAX_SLOWDOWN = 8.0
+# Lessons whose graded tests run judged (harness/judge.py): pytest, the tests and the HF oracle in
+# the grader's own process and a tree the worker cannot read; the student's code in a worker
+# process, as the unprivileged user, answering with plain data. The other lessons' tests still run
+# inside the worker (below), until their tests pass judged (issue 36: L5 and L8's property soaks
+# are too slow judged yet; L10-L12 have tests that fail judged).
+JUDGED_LESSONS = ("l1", "l2", "l3")
+MAX_JUDGED_ROUNDS = 50  # a judged part restarted after a test its time limit stopped, at most this often
 # Only code that works against the grader needs these in a lesson package.
 SUSPICIOUS = {
     "transformers": r"\b(import|from)\s+transformers\b",
@@ -301,9 +318,10 @@ def kill_everything_of(uid: int) -> None:
         time.sleep(0.05)
 
 
-def run_worker(cmd: list[str], cwd: Path, env: dict, user, time_limit: float, memory_mb: int):
-    """Run pytest; return (its capped output, its outcome lines, its exit status or None when
-    stopped by the time limit). Whatever it started is killed when it ends."""
+def run_worker(cmd: list[str], cwd: Path, env: dict, user, time_limit: float, memory_mb: int, worker_uid=None):
+    """Run pytest (as `user`, or as this process's user when None); return (its capped output, its
+    outcome lines, its exit status or None when stopped by the time limit). Whatever it started is
+    killed when it ends, every process of `worker_uid` too (a judged run's worker)."""
     read_end, write_end = os.pipe()
     cmd = [*cmd, "--outcomes-log", f"/dev/fd/{write_end}"]
     ids = dict(user=user[0], group=user[1], extra_groups=[]) if user else {}
@@ -322,8 +340,8 @@ def run_worker(cmd: list[str], cwd: Path, env: dict, user, time_limit: float, me
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    if user is not None:  # and whatever left the session (setsid, double fork)
-        kill_everything_of(user[0])
+    for uid in {user[0] if user else None, worker_uid} - {None}:  # and whatever left the session
+        kill_everything_of(uid)
     proc.wait()
     return log.text(), outcomes.read(), status
 
@@ -364,8 +382,8 @@ def status_of(phases: dict[str, str]) -> str:
 class Part:
     """One worker run: some test files, their canaries, and what came back."""
 
-    def __init__(self, name: str, files: list[str]):
-        self.name, self.files = name, files
+    def __init__(self, name: str, files: list[str], judged: bool = False):
+        self.name, self.files, self.judged = name, files, judged
         self.canaries: list[str] = []
         self.log, self.status, self.seconds, self.time_limit = "", None, 0.0, 0.0
         self.outcomes: dict[str, dict[str, str]] = {}
@@ -395,11 +413,13 @@ def split_parts(manifest: dict, select: list[str]) -> list[Part]:
     for nodeid, test in tests.items():
         files.setdefault(nodeid.split("::")[0], []).append(test)
     hidden_files = set(manifest.get("hidden_files", []))
-    parts = {"tests": Part("tests", []), "notebooks": Part("notebooks", []), "hidden tests": Part("hidden tests", [])}
+    parts = {name: Part(name, [], judged=name.startswith("judged"))
+             for name in ("judged tests", "tests", "notebooks", "judged hidden tests", "hidden tests")}
     for file, its_tests in sorted(files.items()):
+        judged = all(t["lesson"] in JUDGED_LESSONS and not t.get("notebook") for t in its_tests)
         name = ("hidden tests" if file in hidden_files
                 else "notebooks" if all(t.get("notebook") for t in its_tests) else "tests")
-        parts[name].files.append(file)
+        parts[f"judged {name}" if judged else name].files.append(file)
     return [part for part in parts.values() if part.files]
 
 
@@ -469,27 +489,99 @@ def worker_home(work: Path, part: Part, user) -> Path:
     return home
 
 
+def pytest_command(python: str, test_timeout: float, basetemp: Path, manifest: dict, targets: list[str]) -> list[str]:
+    return [python, "-m", "pytest", "--graded-only", "--continue-on-collection-errors", "--color=no", "-q",
+            "-p", "no:cacheprovider", "--hypothesis-profile=grading", f"--timeout={test_timeout:.0f}",
+            f"--basetemp={basetemp}", "-m", " or ".join(manifest["lessons"]), *targets,
+            *shlex.split(os.environ.get("AUTOGRADER_PYTEST_ARGS", ""))]
+
+
+def environment(home: Path, tree: Path) -> dict:
+    """A test run's environment: this one's, less the grader's settings, writing only in `home`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGRADER_") and k != "KVCOURSE_JUDGE"}
+    env.update(HOME=str(home), TMPDIR=str(home), PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1",
+               PYTHONNOUSERSITE="1", XDG_CACHE_HOME=str(home / ".cache"), JUPYTER_RUNTIME_DIR=str(home / "jupyter"))
+    return env
+
+
 def run_part(part: Part, copy: Path, work: Path, manifest: dict, python: str, user, time_limit: float,
              test_timeout: float, memory_mb: int) -> None:
+    """pytest in the worker: the tests and the student's code in one process, as `user`."""
     part.canaries = plant_canaries(copy / "tests", manifest["lessons"][0])
     for canary in part.canaries:
         os.chmod(copy / canary.split("::")[0], 0o644)
     home = worker_home(work, part, user)
-    cmd = [python, "-m", "pytest", "--graded-only", "--continue-on-collection-errors", "--color=no", "-q",
-           "-p", "no:cacheprovider", "--hypothesis-profile=grading", f"--timeout={test_timeout:.0f}",
-           f"--basetemp={home / 'pytest'}", "-m", " or ".join(manifest["lessons"]),
-           part.canaries[0].split("::")[0], *part.files, part.canaries[1].split("::")[0],
-           *shlex.split(os.environ.get("AUTOGRADER_PYTEST_ARGS", ""))]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGRADER_")}
-    env.update(HOME=str(home), TMPDIR=str(home), PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1",
-               PYTHONNOUSERSITE="1", XDG_CACHE_HOME=str(home / ".cache"), JUPYTER_RUNTIME_DIR=str(home / "jupyter"))
+    targets = [part.canaries[0].split("::")[0], *part.files, part.canaries[1].split("::")[0]]
     start = time.monotonic()
     part.time_limit = time_limit
-    part.log, lines, part.status = run_worker(cmd, copy, env, user, time_limit, memory_mb)
+    part.log, lines, part.status = run_worker(pytest_command(python, test_timeout, home / "pytest", manifest, targets),
+                                              copy, environment(home, copy), user, time_limit, memory_mb)
     part.seconds = time.monotonic() - start
     part.outcomes, part.errors = read_outcomes(lines)
     for canary in part.canaries:
         (copy / canary.split("::")[0]).unlink(missing_ok=True)
+
+
+def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manifest: dict, python: str, user,
+                    time_limit: float, test_timeout: float, memory_mb: int) -> None:
+    """pytest as the judge (harness/judge.py): in `judge_tree`, as this process's user, the
+    student's code in a worker that this file starts (`--worker`) as `user` in `copy`. A test
+    stopped by its time limit while the student's code ran stops the worker and that pytest; the
+    tests not yet run go on in a new one, so a loop costs the tests that meet it."""
+    part.canaries = plant_canaries(judge_tree / "tests", manifest["lessons"][0])
+    home = worker_home(work, part, user)
+    judge_home = work / f"judge-home-{part.name.replace(' ', '-')}"
+    judge_home.mkdir(mode=0o700)
+    settings = {"python": python, "tree": str(copy), "user": list(user) if user else None,
+                "memory_mb": memory_mb, "env": environment(home, copy)}
+    env = environment(judge_home, judge_tree)
+    env["KVCOURSE_JUDGE"] = json.dumps([python, "-I", str(Path(__file__).resolve()), "--worker", json.dumps(settings)])
+    nodeids = [part.canaries[0], *(n for n in manifest["tests"] if n.split("::")[0] in part.files), part.canaries[1]]
+    targets = [part.canaries[0].split("::")[0], *part.files, part.canaries[1].split("::")[0]]
+    start, logs = time.monotonic(), []
+    part.time_limit = time_limit
+    for round_ in range(MAX_JUDGED_ROUNDS):
+        left = time_limit - (time.monotonic() - start)
+        if left < 1:
+            part.status = None
+            break
+        ran_before = len(part.outcomes)
+        log, lines, part.status = run_worker(
+            pytest_command(python, test_timeout, judge_home / f"pytest-{round_}", manifest, targets), judge_tree,
+            env, None, left, memory_mb, worker_uid=user[0] if user else None)
+        logs.append(log)
+        outcomes, errors = read_outcomes(lines)
+        for nodeid, phases in outcomes.items():  # the first report of a phase counts, as in one run
+            for phase, outcome in phases.items():
+                part.outcomes.setdefault(nodeid, {}).setdefault(phase, outcome)
+        for module, error in errors.items():
+            part.errors.setdefault(module, error)
+        targets = [n for n in nodeids if n not in part.outcomes]
+        if part.status is None or not targets or len(part.outcomes) == ran_before:
+            break
+    part.log = cap("\n".join(logs), 2 * LOG_CAP)
+    part.seconds = time.monotonic() - start
+    for canary in part.canaries:
+        (judge_tree / canary.split("::")[0]).unlink(missing_ok=True)
+
+
+def launch_worker(settings: dict, fds: list[str]) -> None:
+    """`grade.py --worker SETTINGS READ_FD WRITE_FD`, the judge's command for its worker: as root,
+    become the unprivileged user in a session of its own, under the worker's limits, then serve
+    the judge's requests over the two pipes (python -m harness.judge) from the student's tree."""
+    user = settings.get("user")
+    if user is not None:
+        os.setsid()  # its own session, all of it killed after the part
+    limit_worker(int(settings["memory_mb"]), user is not None)()
+    if user is not None:
+        os.setgroups([])
+        os.setgid(int(user[1]))
+        os.setuid(int(user[0]))
+        if os.getuid() == 0 or os.geteuid() == 0:
+            raise SystemExit("the worker could not leave root; nothing of the student's runs")
+    os.chdir(settings["tree"])
+    python = settings["python"]
+    os.execve(python, [python, "-m", "harness.judge", *fds], settings["env"])
 
 
 def main() -> int:
@@ -530,6 +622,13 @@ def main() -> int:
         skipped += copy_package(folder, copy / package)
     make_read_only(copy)
     os.chmod(work, 0o755)
+    # The judged parts' pytest runs here: the bundle's own files (no upload), the grader's only.
+    judge_tree = work / "judge"
+    shutil.copytree(source, judge_tree, symlinks=True, ignore=shutil.ignore_patterns(
+        "grading_manifest.json", "hidden_tests.txt", "grade.py", "setup.sh", "run_autograder", "__pycache__"))
+    for file in hidden_files:
+        (judge_tree / file).unlink(missing_ok=True)
+    os.chmod(judge_tree, 0o700)
     notes = [f"graded: {p} (from {found[p].relative_to(submission)})" for p in found]
     notes += [f"not found in the submission: {p} (the handout's stub is graded in its place)" for p in missing]
     notes += [f"skipped from the upload: {s}" for s in skipped]
@@ -548,14 +647,19 @@ def main() -> int:
     os.chmod(source, 0o700)  # the bundle itself (manifest, hidden tests) out of the worker's reach
     try:
         for part in parts:
-            if part.name == "hidden tests":
+            hidden = part.name.endswith("hidden tests")
+            if hidden:  # in the judge's tree (closed to the worker) when judged, else the worker's
                 for file in part.files:
-                    shutil.copy(hidden_store / Path(file).name, copy / file)
-                    os.chmod(copy / file, 0o644)
+                    shutil.copy(hidden_store / Path(file).name, (judge_tree if part.judged else copy) / file)
+                    os.chmod((judge_tree if part.judged else copy) / file, 0o644)
             remaining = max(1.0, deadline - time.monotonic())
-            run_part(part, copy, work, manifest, python, user, remaining, test_timeout, memory_mb)
+            if part.judged:
+                run_judged_part(part, judge_tree, copy, work, manifest, python, user, remaining, test_timeout,
+                                memory_mb)
+            else:
+                run_part(part, copy, work, manifest, python, user, remaining, test_timeout, memory_mb)
             print(f"== {part.name}: {len(part.files)} files, {part.seconds:.0f} s, pytest exit status {part.status}")
-            print(part.log if part.name != "hidden tests" else "(the hidden tests' output is not shown)")
+            print(part.log if not hidden else "(the hidden tests' output is not shown)")
     finally:
         os.chmod(source, source_mode)
 
@@ -602,6 +706,8 @@ def write_internal_error(results: Path) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:  # started by the judge, not by run_autograder
+        launch_worker(json.loads(sys.argv[2]), sys.argv[3:])
     try:
         sys.exit(main())
     except Exception:
