@@ -97,8 +97,31 @@ def _log_outcome(entry: dict) -> None:
 _outcomes_log = None
 
 
+def _readable_temporary_folders() -> None:
+    """Judged as root (Gradescope), the worker runs as another user and must read what a test
+    made for it in a temporary folder (a model's files); pytest makes those folders 0700. Here
+    they are 0755: readable, never writable, by the worker."""
+    from _pytest.tmpdir import TempPathFactory
+
+    made, base = TempPathFactory.mktemp, TempPathFactory.getbasetemp
+
+    def getbasetemp(self):
+        path = base(self)
+        path.chmod(0o755)
+        return path
+
+    def mktemp(self, basename, numbered=True):
+        path = made(self, basename, numbered)
+        path.chmod(0o755)
+        return path
+
+    TempPathFactory.getbasetemp, TempPathFactory.mktemp = getbasetemp, mktemp
+
+
 def pytest_configure(config):
     global _outcomes_log
+    if JUDGE is not None:
+        _readable_temporary_folders()
     path = config.getoption("--outcomes-log")
     if path:  # /dev/fd/N: the grader's pipe, written through the inherited descriptor (not reopened)
         fd = re.fullmatch(r"/dev/fd/(\d+)", path)

@@ -305,6 +305,12 @@ class Endpoint:
         if isinstance(value, types.ModuleType) and not isinstance(value, RemoteModule):
             return {"t": "module", "v": value.__name__}
         torch = sys.modules.get("torch")
+        if torch is not None and isinstance(value, torch.Generator) and tensors is not None:
+            # By its state; the worker's draws advance it, and the state comes back (as a tensor's
+            # changes do), so the judge's generator goes on from where the worker's stopped.
+            blobs.append(value.get_state().numpy().tobytes())
+            tensors.append(value)
+            return {"t": "generator", "blob": len(blobs) - 1, "device": str(value.device), "index": len(tensors) - 1}
         if torch is not None:
             if isinstance(value, torch.dtype):
                 return {"t": "dtype", "v": str(value).removeprefix("torch.")}
@@ -470,6 +476,13 @@ class Endpoint:
             return _torch().Size(v)
         if kind == "tensor":
             return self._decode_tensor(data, blobs, received)
+        if kind == "generator" and self.side == "worker":
+            torch = _torch()
+            generator = torch.Generator(device=str(data.get("device", "cpu")))
+            generator.set_state(torch.frombuffer(bytearray(blobs[data["blob"]]), dtype=torch.uint8))
+            if received is not None and isinstance(data.get("index"), int):
+                received.append((data["index"], generator, None))
+            return generator
         if kind == "exc_class":
             return exception_class(data)
         if kind == "exc":
@@ -567,16 +580,17 @@ class Endpoint:
         synced, kept = [], []
         for entry in self.containers:
             value, origin, snapshot = entry
-            # Held only by this entry and the names here: the test let it go; its origin may go too.
-            # (Lists cannot be weakly referenced, and scanning every copy of a test would make
-            # each message slower than the last.)
-            if sys.getrefcount(value) <= 3:
-                self.released.append([origin, 1])
-                continue
             if type(value) is not type(snapshot) or value != snapshot or \
                     (type(value) is collections.deque and list(value) != list(snapshot)):
                 synced.append({"origin": origin, "value": self.encode(value, [], None, 1)})
                 snapshot = copy.copy(value)
+            # Held only by this entry and the names here: the test let it go (after changing it,
+            # `req.output_ids.append(t)`, sent above); its origin may go too. (Lists cannot be
+            # weakly referenced, and scanning every copy a test ever read made each message
+            # slower than the last.)
+            if sys.getrefcount(value) <= 3:
+                self.released.append([origin, 1])
+                continue
             kept.append((value, origin, snapshot))
         self.containers = kept
         return synced
@@ -655,6 +669,9 @@ class Endpoint:
         if not isinstance(index, int) or not 0 <= index < len(sent):
             raise JudgeError(f"a write-back to tensor {index!r}, which was not sent")
         target = sent[index]
+        if isinstance(target, torch.Generator):
+            target.set_state(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+            return
         if len(blob) != target.numel() * target.element_size():
             raise JudgeError("a write-back of another size than the tensor sent")
         if blob:
@@ -683,7 +700,10 @@ class Endpoint:
             reply["error"] = self._exception_fields(exc, reply_blobs)
         writeback = []
         for index, tensor, version in received:
-            if tensor._version != version:
+            if not _is_tensor(tensor):  # a generator: its state, always
+                reply_blobs.append(tensor.get_state().numpy().tobytes())
+                writeback.append([index, len(reply_blobs) - 1])
+            elif tensor._version != version:
                 blob = tensor.detach().cpu().contiguous()
                 reply_blobs.append(blob.view(_torch().uint8).numpy().tobytes() if blob.numel() else b"")
                 writeback.append([index, len(reply_blobs) - 1])
@@ -1059,6 +1079,11 @@ class RemoteModule(types.ModuleType):
     def __setattr__(self, name, value):
         if name.startswith("__") and name.endswith("__"):
             return super().__setattr__(name, value)
+        if isinstance(value, RemoteModule) and value.__name__ == f"{self.__name__}.{name}":
+            # The import system binding a submodule it just loaded here to its package. The
+            # worker's package did that itself when it imported it, and may have bound the name
+            # to something else since (`from .quantize import quantize`): its binding stands.
+            return None
         setattr(self._remote, name, value)
 
     def __delattr__(self, name):

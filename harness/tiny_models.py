@@ -61,6 +61,8 @@ def make_random_model(out_dir: str | Path, seed: int = 0, init_std: float = 0.25
     out_dir = Path(out_dir)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    for file in Path(out_dir).iterdir():  # safetensors writes 0600; a judged worker (another user) reads it
+        file.chmod(0o644)
     return out_dir
 
 

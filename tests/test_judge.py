@@ -110,6 +110,31 @@ def test_a_copy_changed_in_the_judge_is_written_into_the_workers_tensor(pair):
     assert remote(judging, worker, lambda: list(pool["ids"]))() == [1, 2, 3]
 
 
+def test_a_generator_crosses_by_its_state_and_comes_back_advanced(pair):
+    """The worker draws from a copy of the judge's generator; the judge's then goes on from where
+    the worker's stopped, as one generator would in one process."""
+    judging, worker = pair
+    draw = remote(judging, worker, lambda generator: torch.rand(3, generator=generator))
+    mine, alone = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert torch.equal(draw(mine), torch.rand(3, generator=alone))
+    assert torch.equal(torch.rand(2, generator=mine), torch.rand(2, generator=alone))
+
+
+def test_importing_a_submodule_leaves_the_packages_own_binding_of_its_name(pair):
+    """`l12_quantized_kv.quantize` is a submodule and, in the package, the function it defines.
+    The judge's import of the submodule must not rebind the worker's package attribute."""
+    import l12_quantized_kv
+
+    submodule = sys.modules["l12_quantized_kv.quantize"]  # (`import ... as` would give the function)
+
+    judging, worker = pair
+    package = judge.RemoteModule("l12_quantized_kv", judging, remote(judging, worker, l12_quantized_kv))
+    child = judge.RemoteModule("l12_quantized_kv.quantize", judging, remote(judging, worker, submodule))
+    setattr(package, "quantize", child)  # what importlib does after loading a submodule
+    assert l12_quantized_kv.quantize is submodule.quantize  # the worker's package: unchanged
+    assert not isinstance(package.quantize, judge.RemoteModule)  # and the judge reads the function
+
+
 def test_objects_stay_in_the_worker_and_methods_run_there(pair):
     judging, worker = pair
     from collections import Counter
@@ -179,6 +204,9 @@ def test_copies_the_test_let_go_are_not_watched_and_one_it_keeps_still_writes_ba
     kept.append(4)
     read()  # the change goes with the next request
     assert holder.items == [1, 2, 3, 4]
+    read().append(5)  # changed and dropped at once: still sent
+    read()
+    assert holder.items == [1, 2, 3, 4, 5]
 
 
 def test_a_snapshot_reads_fields_and_properties_in_one_request_and_is_read_only(pair):

@@ -6,6 +6,7 @@ changes and a second process, the calibration pool against the K and V the model
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -184,11 +185,15 @@ def test_the_cache_tag_changes_with_any_one_scale_by_one_ulp_and_with_the_format
 @pytest.mark.points(1)
 def test_the_cache_tag_is_the_same_in_another_process():
     k, v = _scales(3)
-    code = ("import torch, sys; from l12_quantized_kv import FP8_E4M3, cache_tag; g = torch.Generator().manual_seed(3); "
+    # `import harness` first: judged (KVCOURSE_JUDGE), that process is a judge too, and the tag
+    # comes from the student's code in its own worker.
+    code = ("import harness, torch, sys; from l12_quantized_kv import FP8_E4M3, cache_tag; "
+            "g = torch.Generator().manual_seed(3); "
             "k = [torch.rand(2, generator=g) + 0.01 for _ in range(3)]; v = [torch.rand(2, generator=g) + 0.01 for _ in range(3)]; "
             "sys.stdout.write(cache_tag(FP8_E4M3, k, v).hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin", "PYTHONPATH": "."})
+                         env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin", "PYTHONPATH": ".",
+                              **{k: v for k, v in os.environ.items() if k == "KVCOURSE_JUDGE"}})
     assert out.returncode == 0, out.stderr[-500:]
     assert out.stdout == cache_tag(FP8_E4M3, k, v).hex()
 

@@ -89,9 +89,9 @@ MAX_SLOWDOWN = 8.0
 # Lessons whose graded tests run judged (harness/judge.py): pytest, the tests and the HF oracle in
 # the grader's own process and a tree the worker cannot read; the student's code in a worker
 # process, as the unprivileged user, answering with plain data. The other lessons' tests still run
-# inside the worker (below), until their tests pass judged (issue 36: L5 and L8's property soaks
-# are too slow judged yet; L10-L12 have tests that fail judged).
-JUDGED_LESSONS = ("l1", "l2", "l3")
+# inside the worker (below), until their tests pass judged within the per-test limit (issue 36:
+# L5's soaks and L8's property files are too slow judged yet; L11's server tests fail judged).
+JUDGED_LESSONS = ("l1", "l2", "l3", "l10", "l12")
 MAX_JUDGED_ROUNDS = 50  # a judged part restarted after a test its time limit stopped, at most this often
 # Only code that works against the grader needs these in a lesson package.
 SUSPICIOUS = {
@@ -531,7 +531,8 @@ def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manife
     part.canaries = plant_canaries(judge_tree / "tests", manifest["lessons"][0])
     home = worker_home(work, part, user)
     judge_home = work / f"judge-home-{part.name.replace(' ', '-')}"
-    judge_home.mkdir(mode=0o700)
+    judge_home.mkdir()
+    judge_home.chmod(0o711)  # the worker reads what tests make for it here (models), by path only
     settings = {"python": python, "tree": str(copy), "user": list(user) if user else None,
                 "memory_mb": memory_mb, "env": environment(home, copy)}
     env = environment(judge_home, judge_tree)
@@ -622,13 +623,16 @@ def main() -> int:
         skipped += copy_package(folder, copy / package)
     make_read_only(copy)
     os.chmod(work, 0o755)
-    # The judged parts' pytest runs here: the bundle's own files (no upload), the grader's only.
+    # The judged parts' pytest runs here: the bundle's own files (no upload). The worker may read
+    # its files by path (the model in assets/ that a test names), never list its top folder, and
+    # never read a hidden test file (0600, the grader's) or write anything.
     judge_tree = work / "judge"
     shutil.copytree(source, judge_tree, symlinks=True, ignore=shutil.ignore_patterns(
         "grading_manifest.json", "hidden_tests.txt", "grade.py", "setup.sh", "run_autograder", "__pycache__"))
     for file in hidden_files:
         (judge_tree / file).unlink(missing_ok=True)
-    os.chmod(judge_tree, 0o700)
+    make_read_only(judge_tree)
+    os.chmod(judge_tree, 0o711)
     notes = [f"graded: {p} (from {found[p].relative_to(submission)})" for p in found]
     notes += [f"not found in the submission: {p} (the handout's stub is graded in its place)" for p in missing]
     notes += [f"skipped from the upload: {s}" for s in skipped]
@@ -651,7 +655,7 @@ def main() -> int:
             if hidden:  # in the judge's tree (closed to the worker) when judged, else the worker's
                 for file in part.files:
                     shutil.copy(hidden_store / Path(file).name, (judge_tree if part.judged else copy) / file)
-                    os.chmod((judge_tree if part.judged else copy) / file, 0o644)
+                    os.chmod((judge_tree if part.judged else copy) / file, 0o600 if part.judged else 0o644)
             remaining = max(1.0, deadline - time.monotonic())
             if part.judged:
                 run_judged_part(part, judge_tree, copy, work, manifest, python, user, remaining, test_timeout,
