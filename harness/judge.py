@@ -57,6 +57,7 @@ import collections.abc
 import contextlib
 import copy
 import enum
+import functools
 import gc
 import importlib
 import importlib.abc
@@ -386,8 +387,8 @@ class Endpoint:
             return self.encode(value, blobs, None, depth)
         if id(value) in memo:
             return {"t": "viewref", "key": memo[id(value)][0]}
-        memo[id(value)] = (len(memo), value)  # the object too: its id stays its own while encoding
-        key = memo[id(value)][0]
+        key = len(memo)
+        memo[id(value)] = (key, value)  # the object too: its id stays its own while encoding
         return {"t": "view", "key": key, "id": self.export(value),
                 "fields": {str(n): v if type(v) in _JSON_SCALARS else enc(v) for n, v in fields.items()}}
 
@@ -947,15 +948,10 @@ class _Snapshot:
         self.obj = obj
 
 
-_LESSON_PACKAGES: set[str] | None = None
-_FIELD_NAMES: dict[type, tuple | None] = {}  # a class -> (its slots, its properties), or None
-
-
+@functools.cache
 def _field_names(kind: type) -> tuple | None:
-    global _LESSON_PACKAGES
-    if _LESSON_PACKAGES is None:
-        _LESSON_PACKAGES = set(lesson_packages())
-    if kind.__module__.split(".")[0] not in _LESSON_PACKAGES or issubclass(kind, (type, enum.Enum)) \
+    """(slots, properties) of a lesson package's class; None for a class whose objects stay handles."""
+    if kind.__module__.split(".")[0] not in lesson_packages() or issubclass(kind, (type, enum.Enum)) \
             or any("__call__" in vars(cls) for cls in kind.__mro__[:-1]):
         return None
     torch = sys.modules.get("torch")
@@ -973,10 +969,7 @@ def _fields_of(value) -> dict | None:
     """The fields of an object of a lesson package (instance attributes, slots, and properties as
     read now); None for anything else (enum members, classes, functions, callable objects, torch
     modules: those stay handles)."""
-    kind = type(value)
-    if kind not in _FIELD_NAMES:
-        _FIELD_NAMES[kind] = _field_names(kind)
-    names = _FIELD_NAMES[kind]
+    names = _field_names(type(value))
     if names is None:
         return None
     slots, properties = names
@@ -1181,10 +1174,11 @@ def _stop_worker(endpoint: Endpoint) -> None:
             endpoint.process.kill()
 
 
-def lesson_packages() -> list[str]:
+@functools.cache
+def lesson_packages() -> tuple[str, ...]:
     """Every `lN_<name>/` package at the repository's root, in lesson order."""
     packages = [p.parent.name for p in ROOT.glob("l[0-9]*_*/__init__.py")]
-    return sorted(packages, key=lambda name: int(name[1:].split("_")[0]))
+    return tuple(sorted(packages, key=lambda name: int(name[1:].split("_")[0])))
 
 
 def install_from_environment() -> Endpoint | None:
