@@ -104,12 +104,25 @@ def run_main(main: Callable[[], int | None], what: str = "nothing was written") 
         return 0
     except OSError as exc:
         if exc.errno not in ENVIRONMENT_ERRNOS:
-            traceback.print_exception(exc)
-            return 3
+            return _internal_error(exc, what)
         _quiet_stdout()
         where = f" ({exc.filename})" if exc.filename else ""
         say_error(f"{exc.strerror}{where}; free some space or fix the permissions, then run again")
         return 2
+    except Exception as exc:
+        return _internal_error(exc, what)
+
+
+def _internal_error(exc: BaseException, what: str) -> int:
+    """A bug: its traceback and 3. Unless a Ctrl-C caused it: Python wraps a KeyboardInterrupt
+    raised inside some hooks (a class body's `__set_name__` during torch's import) in a RuntimeError."""
+    cause = exc
+    while cause is not None:
+        if isinstance(cause, KeyboardInterrupt):
+            exit_interrupted(f"interrupted (Ctrl-C); {what}")
+        cause = cause.__cause__ or cause.__context__
+    traceback.print_exception(exc)
+    return 3
 
 
 def _quiet_stdout() -> None:

@@ -197,6 +197,24 @@ def test_the_real_exit_codes_in_a_subprocess():
     assert "Traceback" in crash.stderr and "ZeroDivisionError: a bug" in crash.stderr
 
 
+def test_a_ctrl_c_that_python_wrapped_in_another_error_is_still_one_line_and_exit_2():
+    """A KeyboardInterrupt inside a class body's __set_name__ (torch's import) reaches run_main as a
+    RuntimeError caused by it; a plain RuntimeError is still a bug: traceback and 3."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = ("import sys\nfrom harness.cli import run_main\n"
+              "def main():\n    try:\n        raise KeyboardInterrupt\n"
+              "    except KeyboardInterrupt as exc:\n        raise RuntimeError('{}') from exc\n"
+              "sys.exit(run_main(main))\n")
+    wrapped = subprocess.run([sys.executable, "-c", script.format("set_name")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60, env=env)
+    assert wrapped.returncode == 2 and "Traceback" not in wrapped.stderr, wrapped.stderr[-2000:]
+    assert wrapped.stderr.count("\n") == 1 and "interrupted" in wrapped.stderr
+    plain = script.replace("raise KeyboardInterrupt", "raise ValueError").replace("except KeyboardInterrupt", "except ValueError")
+    bug = subprocess.run([sys.executable, "-c", plain.format("a bug")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert bug.returncode == 3 and "RuntimeError: a bug" in bug.stderr, bug.stderr[-2000:]
+
+
 def test_an_unreadable_file_is_reported_as_unreadable(tmp_path, monkeypatch, capsys):
     """Root reads any file, so the permission error is raised the way the OS would raise it."""
     folder = broken_copy(tmp_path, "config field negative")
