@@ -26,8 +26,11 @@ LESSONS := $(sort $(foreach p,$(wildcard l[0-9]*_*/__init__.py),$(firstword $(su
 run: setup          ## every lesson's smoke script: PASS lines
 	@for s in scripts/l*_smoke.py; do echo "== $$s"; $(PY) $$s || exit 1; done
 
+# The suite runs in JOBS processes (pytest-xdist), each test file whole in one of them (its
+# module fixtures, a bundle or a model, are built once). JOBS=1 runs it in this process.
+JOBS ?= 2
 test: setup         ## the whole graded suite (notebooks included), score table per lesson
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter-out 0 1,$(JOBS)),-n $(JOBS) --dist loadfile) $(PYTEST_ARGS)
 
 $(addprefix smoke-,$(LESSONS)): smoke-%: setup   ## one lesson's smoke script: make smoke-l2
 	$(PY) scripts/$*_smoke.py

@@ -134,14 +134,19 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# The grade of a test as it travels on its reports: under pytest-xdist (`make test` runs `-n 2`)
+# the process that prints the table runs no test and sees only the reports its workers send.
+GRADE_PROPERTY = "kvcourse-grade"
+
+
 class _Scores:
     def __init__(self):
         self.rows: dict[str, dict] = {}
 
-    def record(self, item, report, hidden: bool) -> None:
-        row = self.rows.setdefault(item.nodeid, {
-            "name": item.nodeid, "lesson": _lesson_of(item), "max_score": _points_of(item),
-            "outcome": "passed", "output": "", "hidden": hidden})
+    def record(self, report, grade: dict) -> None:
+        row = self.rows.setdefault(report.nodeid, {
+            "name": report.nodeid, "lesson": grade["lesson"], "max_score": grade["points"],
+            "outcome": "passed", "output": "", "hidden": grade["hidden"]})
         if report.skipped and row["outcome"] == "passed":
             row["outcome"] = "skipped"
         elif report.failed:
@@ -150,7 +155,6 @@ class _Scores:
 
 
 _scores = _Scores()
-_items: dict[str, pytest.Item] = {}
 
 
 def pytest_runtest_teardown(item, nextitem):
@@ -160,16 +164,19 @@ def pytest_runtest_teardown(item, nextitem):
             item.session.shouldstop = JUDGE.broken
 
 
-def pytest_runtest_setup(item):
-    _items[item.nodeid] = item
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Every report of the item (setup, call, teardown) carries its grade from here on."""
+    grade = {"lesson": _lesson_of(item), "points": _points_of(item), "hidden": _is_hidden(item)}
+    item.user_properties.append((GRADE_PROPERTY, grade))
 
 
 def pytest_runtest_logreport(report):
     _log_outcome({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
                   "output": _failure_text(report) if report.failed else ""})
-    item = _items.get(report.nodeid)
-    if item is not None:
-        _scores.record(item, report, _is_hidden(item))
+    grade = next((value for name, value in report.user_properties if name == GRADE_PROPERTY), None)
+    if grade is not None:
+        _scores.record(report, grade)
 
 
 def _lesson_of(item) -> str:

@@ -217,7 +217,8 @@ def test_a_syntax_error_and_an_endless_loop_cost_only_the_tests_that_meet_them(b
     assert all("cow.py" in t["output"] and "SyntaxError" in t["output"] for t in l8), l8[0]["output"][-2000:]
     looped = [t for t in results["tests"] if t["name"] in lost and t not in l8]
     assert "tests/test_l2_allocator.py::test_ragged_causal_mask_on_a_hand_built_batch" in [t["name"] for t in looped]
-    assert all("Timeout" in t["output"] for t in looped), [t["output"][-500:] for t in looped]
+    untimed = {t["name"]: t["output"][-1500:] for t in looped if "Timeout" not in t["output"]}
+    assert not untimed, untimed
     assert len(looped) <= 3  # the mask's test and the two that build metadata with it
     assert results["score"] > 0
 
@@ -253,9 +254,9 @@ def test_a_10_mb_failure_message_leaves_a_results_json_under_1_mb_and_a_missing_
 PLUGIN_PATCH = '''
 import harness.grading as _grading  # every failure recorded as passed
 _record = _grading._Scores.record
-def _passed(self, item, report, hidden):
+def _passed(self, report, grade):
     report.outcome = "passed"
-    return _record(self, item, report, hidden)
+    return _record(self, report, grade)
 _grading._Scores.record = _passed
 '''
 ATEXIT_REWRITE = '''
