@@ -513,6 +513,27 @@ def test_flags_name_only_changed_code_that_only_a_cheat_needs(bundle, tmp_path):
     assert "FLAG for the instructor: l1_contiguous/__init__.py: dynamic imports" in results["log"]
 
 
+@pytest.mark.slow  # two judged gradings of L1's files: about 3 minutes
+@pytest.mark.timeout(3600)
+def test_greedy_generate_through_transformers_earns_what_the_stub_under_it_earns(bundle, tmp_path):
+    """The HF shortcut: L1 done but greedy_generate answered by transformers' own generate, in the
+    worker, where the student's code runs. It earns no test that a stub greedy_generate does not."""
+    from test_course_grading import HF_GENERATE, STUB
+
+    text = (ROOT / "l1_contiguous" / "generate.py").read_text()
+    start, end = text.index("    # BEGIN SOLUTION\n"), text.index("    # END SOLUTION\n")
+    select = "tests/test_l1_model.py tests/test_l1_smoke.py"
+    earned = {}
+    for name, body in (("stub", STUB), ("hf", HF_GENERATE)):
+        edits = {"l1_contiguous/generate.py": (text[start:end], "    # BEGIN SOLUTION\n" + body)}
+        results = run_bundle(bundle, submit(tmp_path / name, ROOT, edits=edits), tmp_path / name, select=select)
+        assert results["tests"] and "== judged tests:" in results["log"]
+        earned[name] = {t["name"] for t in results["tests"] if t["score"] > 0}
+    assert earned["stub"], "a stub greedy_generate under a finished L1 should still earn its other functions' tests"
+    gained = sorted(earned["hf"] - earned["stub"])
+    assert not gained, f"these pay for a greedy_generate that does not use the cache: {gained}"
+
+
 def load_script_at(path: Path):
     import importlib.util
 

@@ -42,9 +42,9 @@ def alone(prompt: list[int], max_new: int) -> list[int]:
 def check_cached_contents(engine, known: dict[bytes, list[int]]) -> None:
     """Every keyed block (in use or cached free) holds the K of exactly the prefix its key names."""
     k = engine.pool.K[0][:, 0, 0]
-    engine = snapshot(engine)
-    alloc, bs = engine.alloc, engine.alloc.block_size
-    for r in engine.requests.values():
+    alloc, requests = snapshot((engine.alloc, engine.requests))
+    bs = alloc.block_size
+    for r in requests.values():
         for i, key in enumerate(chain_keys(r.tokens, bs)):
             known[key] = r.tokens[:(i + 1) * bs]
     for block, key in alloc.key_of.items():
@@ -185,7 +185,7 @@ def watch_holds(engine) -> None:
     """Around each schedule(): a request held shares a block with one that is computing it."""
     from l8_prefix.engine import pending_keys
 
-    scheduler, real = engine.scheduler, engine.scheduler.schedule
+    scheduler, real, max_hold = engine.scheduler, engine.scheduler.schedule, engine.max_prefix_hold
 
     def schedule(now):
         before = snapshot(scheduler)  # judged: one request for what the checks read
@@ -193,14 +193,14 @@ def watch_holds(engine) -> None:
         keys = {r.request_id: chain_keys(r.tokens[:-1], bs) for r in before.waiting}
         in_flight = {k for r in before.running for k in pending_keys(r)}
         plan = real(now)
-        after, planned = snapshot((engine, plan))
+        after, planned, requests = snapshot((scheduler, plan, engine.requests))
         in_flight |= {k for r, _ in planned if r.request_id in keys for k in pending_keys(r)}
         # A request swapped back in by this schedule computes from the next step: holding for it
         # is a one-step wait for a hit, as for a running request the prefill budget left out.
-        in_flight |= {k for r in after.scheduler.running for k in pending_keys(r)}
-        for i in after.scheduler.held_now:
+        in_flight |= {k for r in after.running for k in pending_keys(r)}
+        for i in after.held_now:
             assert set(keys[i]) & in_flight, f"request {i} held although nobody computes its prefix"
-        assert all(r.held_steps <= after.max_prefix_hold for r in after.requests.values())
+        assert all(r.held_steps <= max_hold for r in requests.values())
         return plan
 
     scheduler.schedule = schedule
