@@ -29,13 +29,32 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atte
              num_key_value_heads=2, head_dim=8, vocab_size=128)
 
 
-def check_invariants(engine) -> None:
+class Unfinished:
+    """The ids of a run's requests not yet seen finished, for `check_invariants` after every step of
+    a soak: each check then reads the requests in a queue, and once more each one that has left
+    them all (it must have finished), not every request ever added."""
+
+    def __init__(self, engine):
+        self.ids = set(snapshot(engine.requests))
+
+
+def check_invariants(engine, unfinished: Unfinished | None = None) -> None:
     # Judged: what the checks read, in one request instead of one per attribute read; not the whole
-    # engine, whose timeline grows by a record a step (a soak's checks read 1,500 of them each step).
-    alloc, s, future, requests = snapshot((engine.alloc, engine.scheduler, engine.future, engine.requests))
+    # engine, whose timeline grows by a record a step.
+    if unfinished is None:
+        alloc, s, future, everyone = snapshot((engine.alloc, engine.scheduler, engine.future, engine.requests))
+        requests = list(everyone.values())
+    else:
+        alloc, s, future = snapshot((engine.alloc, engine.scheduler, engine.future))
+        queued = {r.request_id: r for queue in (s.running, s.waiting, s.swapped, future) for r in queue}
+        back = sorted(set(queued) - unfinished.ids)
+        assert not back, f"requests {back} finished earlier but are in a queue again"
+        left = sorted(unfinished.ids - set(queued))
+        requests = [*queued.values(), *snapshot([engine.requests[i] for i in left])]
+        unfinished.ids -= set(left)  # checked finished below; their blocks, if any, count as leaked
     bs = alloc.block_size
     owner: dict[int, int] = {}
-    for r in requests.values():
+    for r in requests:
         for b in r.blocks:
             assert b not in owner, f"block {b} is held by requests {owner[b]} and {r.request_id}"
             owner[b] = r.request_id
@@ -52,7 +71,7 @@ def check_invariants(engine) -> None:
             where[r.request_id] = name
     expected = {State.RUNNING: {"running"}, State.WAITING: {"waiting", "future"},
                 State.SWAPPED: {"swapped"}, State.FINISHED: {None}}
-    for r in requests.values():
+    for r in requests:
         assert where.get(r.request_id) in expected[r.state], (r.request_id, r.state, where.get(r.request_id))
         held = blocks_for(r.cur_len, bs) if r.state is State.RUNNING else 0
         assert len(r.blocks) == held, f"request {r.request_id} ({r.state}) holds {len(r.blocks)} blocks, expected {held}"
@@ -236,13 +255,14 @@ def run_soak(model, items, aborts, num_blocks, check_every_step=False, **options
     engine = make_engine(model, num_blocks, BLOCK_SIZE, **options)
     for item in items:
         engine.add_request(item)
+    unfinished = Unfinished(engine) if check_every_step else None
     for _ in bounded_steps(engine, items):
         for rid in aborts.get(engine.now, []):
             engine.abort(rid)
         engine.step()
         if check_every_step:
-            check_invariants(engine)
-    return engine
+            check_invariants(engine, unfinished)
+    return engine  # check_soak then checks every request (check_all_released)
 
 
 _soak_references: dict = {}
@@ -281,6 +301,38 @@ def test_soak_300_requests_on_a_tiny_pool(name, small_model):
     """300 requests on 8 blocks of 4 (a request needs up to 7): preempted over and over."""
     items, aborts = soak_workload(budget(300, 40), seed=list(SOAK_OPTIONS).index(name))
     check_soak(small_model, items, aborts, SOAK_OPTIONS[name], check_every_step=True)
+
+
+def _lose_a_waiting_request(engine):
+    engine.scheduler.waiting.popleft()
+
+
+def _requeue_a_finished_request(engine):
+    engine.scheduler.waiting.append(next(r for r in engine.requests.values() if r.state is State.FINISHED))
+
+
+def _give_a_finished_request_a_block(engine):
+    finished = next(r for r in engine.requests.values() if r.state is State.FINISHED)
+    finished.blocks.append(engine.alloc.alloc_blocks(1)[0])
+
+
+@pytest.mark.parametrize("break_it", [_lose_a_waiting_request, _requeue_a_finished_request,
+                                      _give_a_finished_request_a_block], ids=["lost", "requeued", "leaked"])
+def test_the_soaks_step_checks_still_see_requests_they_no_longer_read(break_it, small_model):
+    """A soak's check reads only the queued requests and those that just left the queues (Unfinished):
+    a request lost from every queue, a finished one queued again or holding a block must still fail it.
+    The engine is broken by hand after 40 good steps: this tests the check, so it carries no points."""
+    items, _ = soak_workload(60, seed=1)
+    engine = make_engine(small_model, 8, BLOCK_SIZE)
+    for item in items:
+        engine.add_request(item)
+    unfinished = Unfinished(engine)
+    for _ in range(40):
+        engine.step()
+        check_invariants(engine, unfinished)
+    break_it(engine)
+    with pytest.raises(AssertionError):
+        check_invariants(engine, unfinished)
 
 
 @pytest.mark.slow  # no points: the autograder runs no soak; the 300-request soak above carries them
