@@ -116,10 +116,11 @@ def run_main(main: Callable[[], int | None], what: str = "nothing was written") 
 def _internal_error(exc: BaseException, what: str) -> int:
     """A bug: its traceback and 3. Unless a Ctrl-C caused it: Python wraps a KeyboardInterrupt
     raised inside some hooks (a class body's `__set_name__` during torch's import) in a RuntimeError."""
-    cause = exc
-    while cause is not None:
+    cause, seen = exc, set()
+    while cause is not None and id(cause) not in seen:  # a chain can loop back on itself
         if isinstance(cause, KeyboardInterrupt):
             exit_interrupted(f"interrupted (Ctrl-C); {what}")
+        seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     traceback.print_exception(exc)
     return 3

@@ -36,7 +36,7 @@ def share_the_cores_between_workers() -> None:
     if workers > 1:
         threads = max(1, (os.cpu_count() or 1) // workers)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        torch.set_num_threads(min(threads, int(os.environ["OMP_NUM_THREADS"])))
+        torch.set_num_threads(threads)
 
 
 share_the_cores_between_workers()
