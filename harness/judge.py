@@ -37,15 +37,16 @@ A probe, like everything in the worker, is the student's to change: what it reco
 code produced, as any reply is; the judge's own arithmetic (expected ids, fingerprints.py) stays
 in the judge.
 
-Status (2026-11-27): the Gradescope runner (instructor/autograder/grade.py) judges L1-L3, L10
-and L12 (JUDGED_LESSONS there); measured judged on the solution: L1-L3's graded tests 115/115,
-L10 19/19 (100 s; 13 s in one process), L12 22/22; L2's allocator file 4 s (1.4 s in one process).
-Not yet: L5 (its engine, mixed-batch, smoke, abort and rollback tests pass, but one 300-request
-soak took 233 s, 11 s in one process: a snapshot of all 300 requests each step), L8 (property,
-burst and engine files together over 10 minutes), L11 (its server runs in a thread of the judge
-and calls the worker from there), the notebooks (a kernel would have to import the harness
-first). A test interrupted while the worker runs (its time limit) stops the worker, and pytest
-stops after that test (Endpoint.stop): the runner goes on with the remaining tests and a new worker.
+Status (2026-11-27): the Gradescope runner (instructor/autograder/grade.py) judges L1-L3, L5,
+L10 and L12 (JUDGED_LESSONS there); measured judged on the solution: L1-L3's graded tests 115/115,
+L10 19/19 (100 s; 13 s in one process), L12 22/22; L2's allocator file 4 s (1.4 s in one process);
+L5 through the bundle 184/184 points (its four files 442 s; the 300-request soaks check only the
+live requests each step, see tests/test_l5_invariants.py). Not yet: L8 (property, burst and engine
+files together over 10 minutes before their checks read only what they check), L11 (its server
+runs in a thread of the judge and calls the worker from there), the notebooks (a kernel would have
+to import the harness first). A test interrupted while the worker runs (its time limit) stops the
+worker, and pytest stops after that test (Endpoint.stop): the runner goes on with the remaining
+tests and a new worker.
 """
 
 from __future__ import annotations
