@@ -92,3 +92,27 @@ def _drawn_once(model_cls, cfg, seed: int, init_std: float):
             else:
                 p.normal_(0.0, init_std, generator=gen)
     return model.eval()
+
+
+# How L13 runs the embedded model (4 layers) as a hybrid: every other layer reads the last 64 positions.
+EMBEDDED_HYBRID_WINDOW = 64
+EMBEDDED_HYBRID_LAYER_TYPES = ["sliding_attention", "full_attention"] * 2
+
+
+def as_hybrid(model_dir: str | Path, out_dir: str | Path, window: int, layer_types: list[str]) -> Path:
+    """A folder that runs the model in `model_dir` as a hybrid: `layer_types` names each layer's kind
+    ("sliding_attention" or "full_attention"), sliding layers read the last `window` positions. Its
+    config is a new file; every other file links to the original (the weights are the same: what
+    changes is which keys each layer reads)."""
+    import json
+
+    model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for file in model_dir.iterdir():
+        if file.is_file() and file.name != "config.json":
+            (out_dir / file.name).symlink_to(file)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=window, layer_types=list(layer_types))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "config.json").chmod(0o644)
+    return out_dir

@@ -23,11 +23,19 @@ class Qwen3Config:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...] = ()
+    # Hybrid models (L13): which layers attend through a sliding window of the last
+    # `sliding_window` positions. Empty: every layer is full attention (every published Qwen3).
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
 
     @property
     def gqa_group_size(self) -> int:
         """How many query heads read one KV head."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    def window_of(self, layer: int) -> int | None:
+        """The layer's window W (it reads the last W positions, its own included), or None: all of them."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V that one token occupies across all layers."""
@@ -61,6 +69,7 @@ class Qwen3Config:
             max_position_embeddings=_positive_int(raw, "max_position_embeddings", 32768),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+            **_sliding_layers(raw, _positive_int(raw, "num_hidden_layers")),
         )
 
 
@@ -112,6 +121,31 @@ def _check_architecture(raw: dict) -> None:
                            "num_attention_heads") if k not in raw]
     if missing:
         raise ModelLoadError(f"config.json lacks {', '.join(missing)}")
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _sliding_layers(raw: dict, num_layers: int) -> dict:
+    """sliding_layers and sliding_window, read as transformers' Qwen3 reads them: the window exists
+    only with use_sliding_window; then `layer_types` names each layer's kind, or, when absent,
+    layers from max_window_layers on slide. A "sliding_attention" layer without a window attends
+    to everything (HF's attention gets no window either)."""
+    types = raw.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != num_layers
+                              or any(t not in LAYER_TYPES for t in types)):
+        raise ModelLoadError(f"config.json: layer_types must list one of {', '.join(LAYER_TYPES)} for each of "
+                             f"the {num_layers} layers, got {types!r}")
+    if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+        return {}
+    window = _positive_int(raw, "sliding_window")
+    if types is None:
+        first = raw.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ModelLoadError(f"config.json: max_window_layers must be an integer >= 0, got {first!r}")
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return {"sliding_layers": sliding, "sliding_window": window if sliding else None}
 
 
 def _rope_theta(raw: dict) -> float:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen3Config, load_config
+from .errors import ModelLoadError
 from .weights import load_weights
 
 
@@ -81,10 +82,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     # END SOLUTION
 
 
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[T, S] bool: a query at position p reads a key at position s iff p - window < s <= p, the last
+    `window` positions, its own included (how HF's Qwen3 masks a sliding layer)."""
+    behind = q_pos[:, None] - k_pos[None, :]
+    return (behind >= 0) & (behind < window)
+
+
 class Qwen3Attention(nn.Module):
+    # Whether this class applies a sliding layer's window. L1's does; a later lesson whose read
+    # path would not is refused a hybrid model when it is built, instead of computing another model.
+    reads_windows = True
+
     def __init__(self, cfg: Qwen3Config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx  # which layer's K/V this attention writes and reads
+        self.window = cfg.window_of(layer_idx)  # None: the layer reads every earlier position
+        if self.window is not None and not self.reads_windows:
+            raise ModelLoadError(
+                f"layer {layer_idx} of this model attends through a sliding window of {self.window} positions, "
+                f"which {type(self).__name__} does not apply; run hybrid models with L1 or L13 (l13_sliding_window)")
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
@@ -122,7 +139,10 @@ class Qwen3Attention(nn.Module):
         # END SOLUTION
 
     def attend(self, q, k_all, v_all, meta):
-        return attend(q, k_all, v_all, meta.attn_mask)
+        mask = meta.attn_mask
+        if self.window is not None:  # the contiguous cache holds position s at row s
+            mask = window_mask(meta.positions, torch.arange(k_all.shape[0], device=q.device), self.window)
+        return attend(q, k_all, v_all, mask)
 
 
 class Qwen3MLP(nn.Module):

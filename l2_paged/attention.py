@@ -11,6 +11,8 @@ from l1_contiguous import Qwen3Attention
 
 
 class PagedAttention(Qwen3Attention):
+    reads_windows = False  # the gathered keys are not positions 0..S-1: L13 masks windows over pages
+
     def kv_step(self, k, v, pool, meta):
         """k, v [T, H_kv, D] -> K, V [S, H_kv, D]: the gathered histories of the batch (a copy)."""
         # BEGIN SOLUTION

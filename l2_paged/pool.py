@@ -39,6 +39,11 @@ class KvPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.K + self.V)
 
+    @staticmethod
+    def bytes_per_block(cfg: Qwen3Config, block_size: int, dtype: torch.dtype) -> int:
+        """What one block of such a pool occupies (how make_engine checks a pool fits in memory)."""
+        return bytes_per_block(cfg, block_size, dtype)
+
 
 def bytes_per_block(cfg: Qwen3Config, block_size: int, dtype: torch.dtype) -> int:
     """K and V of `block_size` tokens across all layers."""

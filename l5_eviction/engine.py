@@ -78,13 +78,16 @@ class EngineStalledError(RuntimeError):
 class Engine:
     request_cls = EngineRequest
     allocator_cls = BlockAllocator  # what make_engine builds for it (L8: a prefix-caching one)
+    pool_cls = BlockKvPool  # ... and its pool (L13: one shared by groups of layers)
+    runner_cls = StepRunner
+    preemptor_cls = Preemptor
 
     def __init__(self, model, pool: BlockKvPool, alloc: BlockAllocator, policy: str = "lru",
                  preempt: str = "recompute", prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                  watermark_blocks: int = 1, backend: str | None = None):
         self.model, self.pool, self.alloc = model, pool, alloc
-        self.runner = StepRunner(model, pool, alloc, backend=backend)
-        self.preemptor = Preemptor(pool, alloc, preempt)
+        self.runner = self.runner_cls(model, pool, alloc, backend=backend)
+        self.preemptor = self.preemptor_cls(pool, alloc, preempt)
         self.scheduler = self._make_scheduler(make_policy(policy, alloc.num_blocks), prefill_chunk,
                                               watermark_blocks)
         self.eos_ids = set(model.config.eos_token_ids)
@@ -382,10 +385,11 @@ def available_host_memory() -> int | None:
 
 def make_engine(model, num_blocks: int, block_size: int = 16, engine_cls: type[Engine] = Engine,
                 **kwargs) -> Engine:
-    """Pool, allocator (`engine_cls.allocator_cls`) and engine in one call; InputError for a pool
-    that cannot exist (a size that is not a positive int, or more bytes than the device has)."""
+    """Pool (`engine_cls.pool_cls`), allocator (`engine_cls.allocator_cls`) and engine in one call;
+    InputError for a pool that cannot exist (a size that is not a positive int, or more bytes than
+    the device has)."""
     check_pool_shape(num_blocks, block_size)
-    need = num_blocks * block_size * model.config.kv_bytes_per_token(model.dtype.itemsize)
+    need = num_blocks * engine_cls.pool_cls.bytes_per_block(model.config, block_size, model.dtype)
     free = available_host_memory()
     if model.device.type == "cpu" and free is not None and need > free:
         # torch.empty would succeed (pages are only reserved), and the run would die or swap later
@@ -393,7 +397,7 @@ def make_engine(model, num_blocks: int, block_size: int = 16, engine_cls: type[E
                          f"more than the {free / 2**30:,.1f} GiB of memory available; ask for fewer blocks "
                          f"(or fewer requests and samples)")
     try:
-        pool = BlockKvPool(model.config, num_blocks, block_size, model.dtype, model.device)
+        pool = engine_cls.pool_cls(model.config, num_blocks, block_size, model.dtype, model.device)
     except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
         raise InputError(f"cannot allocate a pool of {num_blocks:,} blocks of {block_size} tokens on "
                          f"{model.device}; ask for fewer blocks") from None

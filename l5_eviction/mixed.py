@@ -81,13 +81,14 @@ class MixedBatchAttention(BlockTableAttention):
         return self.attend(q, k_all, v_all, meta)
 
 
-def load_engine_model(model_dir: str | Path, dtype=torch.float32, device="cpu", packed_linears: bool = True):
+def load_engine_model(model_dir: str | Path, dtype=torch.float32, device="cpu", packed_linears: bool = True,
+                      attention_cls: type[MixedBatchAttention] = MixedBatchAttention):
     """L3's model with attention that runs mixed steps: the model every L5 (and L8) engine runs.
 
     packed_linears: on a CPU in float32, every matrix product runs on oneDNN with its weights
     packed for few rows (fast_linear.py; False: `nn.Linear`, half the memory).
     """
-    model = load_paged_model(model_dir, dtype, device, attention_cls=MixedBatchAttention)
+    model = load_paged_model(model_dir, dtype, device, attention_cls=attention_cls)
     return use_packed_linears(model) if packed_linears else model
 
 

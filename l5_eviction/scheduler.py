@@ -51,12 +51,16 @@ class Scheduler:
         if not req.prompt_ids or req.max_new_tokens < 1:  # either would never be scheduled correctly
             raise InputError(f"request {req.request_id} has {len(req.prompt_ids)} prompt tokens and "
                              f"max_new_tokens={req.max_new_tokens}; it needs at least 1 of each")
-        need = blocks_needed(kv_positions_needed(len(req.prompt_ids), req.max_new_tokens), self.alloc.block_size)
+        need = self._peak_blocks(req)
         if need > self.alloc.num_blocks:
             raise RequestTooLargeError(
                 f"request {req.request_id} needs {need} blocks (prompt {len(req.prompt_ids)} + "
                 f"{req.max_new_tokens} new tokens) but the pool has {self.alloc.num_blocks}; "
                 f"shorten it or give the pool more blocks")
+
+    def _peak_blocks(self, req: EngineRequest) -> int:
+        """The most blocks `req` holds at once over its life (L13: summed over its layer groups)."""
+        return blocks_needed(kv_positions_needed(len(req.prompt_ids), req.max_new_tokens), self.alloc.block_size)
 
     def schedule(self, now: int) -> list[tuple[EngineRequest, int]]:
         """The plan for step `now`: (request, tokens to compute). Blocks are reserved for all."""

@@ -14,7 +14,7 @@ import torch
 from hypothesis import Phase, settings
 
 from harness.smoke import DEFAULT_MODEL
-from harness.tiny_models import make_random_model
+from harness.tiny_models import EMBEDDED_HYBRID_LAYER_TYPES, EMBEDDED_HYBRID_WINDOW, as_hybrid, make_random_model
 
 
 # Property tests draw the same examples on every run (derandomized, no example database), so a
@@ -86,6 +86,13 @@ def tiny_model_dir(make_model):
 @pytest.fixture(scope="session")
 def embedded_model_dir():
     return DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def hybrid_model_dir(tmp_path_factory):
+    """The embedded model as a hybrid (L13): layers 0 and 2 read a window of 64 positions, 1 and 3 all."""
+    return as_hybrid(DEFAULT_MODEL, tmp_path_factory.mktemp("hybrid"), EMBEDDED_HYBRID_WINDOW,
+                     EMBEDDED_HYBRID_LAYER_TYPES)
 
 
 @pytest.fixture(scope="module")

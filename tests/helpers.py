@@ -45,6 +45,20 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(length)]
 
 
+def kjv_prompts(model_dir, spans: list[tuple[int, int]]) -> list[list[int]]:
+    """Prompts of real text (assets/kjv-heldout.txt), one per (character offset, tokens): on text
+    the embedded model attends far back, so a window changes its output (on random ids it barely does)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    text = (Path(__file__).resolve().parent.parent / "assets" / "kjv-heldout.txt").read_text()
+    prompts = [tokenizer.encode(text[start:]).ids[:length] for start, length in spans]
+    assert all(len(p) == n for p, (_, n) in zip(prompts, spans)), "the held-out text is too short for these spans"
+    return prompts
+
+
 def load_script(name: str):
     """Import scripts/<name>.py as a module (scripts/ is not a package)."""
     import importlib.util

@@ -1,0 +1,18 @@
+"""L13: hybrid models (sliding-window layers beside full ones), one block table per KV cache group."""
+
+from .attention import GroupedAttention, load_hybrid_model
+from .engine import HybridEngine, HybridPreemptor, HybridRunner, HybridScheduler, make_hybrid_engine
+from .groups import (NULL_BLOCK, KvCacheGroup, blocks_at_peak, first_needed_position, kv_cache_groups,
+                     window_block_bound)
+from .meta import GroupedStepMeta, build_grouped_meta, build_window_meta
+from .pool import GroupedKvPool
+from .tables import (HybridRequest, blocks_to_grow, free_behind_window, grow_tables, release_tables, set_tables,
+                     trim_tables)
+
+__all__ = [
+    "GroupedAttention", "load_hybrid_model", "HybridEngine", "HybridPreemptor", "HybridRunner", "HybridScheduler",
+    "make_hybrid_engine", "NULL_BLOCK", "KvCacheGroup", "blocks_at_peak", "first_needed_position", "kv_cache_groups",
+    "window_block_bound", "GroupedStepMeta", "build_grouped_meta", "build_window_meta", "GroupedKvPool",
+    "HybridRequest", "blocks_to_grow", "free_behind_window", "grow_tables", "release_tables", "set_tables",
+    "trim_tables",
+]

@@ -1,0 +1,145 @@
+"""L8's engine on a hybrid model: one block table per KV cache group, windows freed as requests run.
+
+What changes against L8, and where:
+  scheduler   a step's blocks are counted and taken per group (grow_tables); a request too large
+              for the pool is judged by its peak over groups (a sliding group never needs more
+              than its window's blocks)
+  runner      after each forward, every request's sliding groups free what fell behind the window
+  preemptor   recompute and swap move every group's live blocks; a swapped sliding group keeps
+              its NULL_BLOCK entries, and only live blocks are copied
+  model       each layer reads its own group's metadata (attention.py, meta.py)
+Everything else (queues, policies, chunked prefill, rollback of a failed step) is L5's and L8's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from l1_contiguous import InputError
+from l2_paged import OutOfBlocksError, kv_positions_needed
+from l5_eviction import Preemptor, State, StepRunner, make_engine
+from l5_eviction.lifecycle import SwappedKv
+from l5_eviction.preempt import _to_host
+from l8_prefix import PrefixEngine, PrefixScheduler
+
+from .attention import GroupedAttention
+from .groups import NULL_BLOCK, blocks_at_peak, window_block_bound
+from .meta import build_grouped_meta
+from .pool import GroupedKvPool
+from .tables import HybridRequest, blocks_to_grow, free_behind_window, grow_tables, set_tables, trim_tables
+
+
+class HybridScheduler(PrefixScheduler):
+    def _peak_blocks(self, req: HybridRequest) -> int:
+        positions = kv_positions_needed(len(req.prompt_ids), req.max_new_tokens)
+        step_tokens = min(positions, self.prefill_chunk or positions)  # a step's new tokens, at most
+        return blocks_at_peak(self.pool.groups, positions, self.alloc.block_size, step_tokens)
+
+    def _blocks_for(self, req: HybridRequest, n: int) -> int:
+        return blocks_to_grow(req, self.pool.groups, self.alloc.block_size, req.cur_len + n)
+
+    def _reserve(self, req: HybridRequest, n: int) -> None:
+        grow_tables(req, self.pool.groups, self.alloc, req.cur_len + n)
+
+
+class HybridRunner(StepRunner):
+    """L5's runner on grouped metadata; after the forward, windows move and their blocks go back."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decode_window_peak = 0  # the most blocks one sliding table held during a decode forward
+
+    def build_meta(self, reqs, num_new):
+        sliding = [g for g, group in enumerate(self.pool.groups) if group.is_sliding]
+        for req, n in zip(reqs, num_new):
+            if n == 1 and sliding:
+                held = max(sum(b != NULL_BLOCK for b in req.tables[g]) for g in sliding)
+                self.decode_window_peak = max(self.decode_window_peak, held)
+        return build_grouped_meta(reqs, num_new, self.pool.groups, self.alloc.block_size,
+                                  self.model.device, self.backend)
+
+    def reserve_all(self, reqs, num_new) -> None:
+        missing = sum(blocks_to_grow(r, self.pool.groups, self.alloc.block_size, r.cur_len + n)
+                      for r, n in zip(reqs, num_new))
+        if missing > self.alloc.num_free:
+            raise OutOfBlocksError(missing, self.alloc.num_free)
+        for req, n in zip(reqs, num_new):
+            grow_tables(req, self.pool.groups, self.alloc, req.cur_len + n)
+
+    def forward_logits(self, reqs, num_new) -> torch.Tensor:
+        logits = super().forward_logits(reqs, num_new)
+        for req in reqs:
+            free_behind_window(req, self.pool.groups, self.alloc)
+        return logits
+
+
+class HybridPreemptor(Preemptor):
+    def drop_for_recompute(self, req: HybridRequest) -> None:
+        super().drop_for_recompute(req)  # frees req.blocks: every group's live blocks
+        set_tables(req, ())
+
+    def discard(self, req: HybridRequest) -> None:
+        super().discard(req)
+        set_tables(req, ())
+
+    def swap_out(self, req: HybridRequest) -> None:
+        trim_tables(req, self.alloc)  # only blocks holding K/V travel
+        ids = torch.tensor(req.blocks, dtype=torch.int64, device=self.pool.K[0].device)
+        pin = ids.is_cuda
+        req.swapped = SwappedKv(k=[_to_host(kb[ids], pin) for kb in self.pool.k_block_tensors],
+                                v=[_to_host(vb[ids], pin) for vb in self.pool.v_block_tensors])
+        self.counters.preempted_swap += 1
+        self.counters.bytes_swapped_out += req.swapped.nbytes
+        self.alloc.free(req.blocks)
+        req.swapped_tables = req.tables  # where each live block sat, NULL_BLOCK entries included
+        set_tables(req, ())
+        req.state = State.SWAPPED
+
+    def blocks_to_swap_in(self, req: HybridRequest) -> int:
+        return sum(b != NULL_BLOCK for table in req.swapped_tables for b in table)
+
+    def swap_in(self, req: HybridRequest) -> None:
+        fresh = iter(self.alloc.alloc_blocks(self.blocks_to_swap_in(req)))  # raises before any change
+        set_tables(req, [[b if b == NULL_BLOCK else next(fresh) for b in table] for table in req.swapped_tables])
+        ids = torch.tensor(req.blocks, dtype=torch.int64, device=self.pool.K[0].device)
+        for kb, vb, k, v in zip(self.pool.k_block_tensors, self.pool.v_block_tensors, req.swapped.k, req.swapped.v):
+            kb[ids] = k.to(ids.device, non_blocking=True)
+            vb[ids] = v.to(ids.device, non_blocking=True)
+        self.counters.bytes_swapped_in += req.swapped.nbytes
+        req.swapped, req.swapped_tables = None, ()
+        req.state = State.RUNNING
+
+
+class HybridEngine(PrefixEngine):
+    request_cls = HybridRequest
+    scheduler_cls = HybridScheduler
+    pool_cls = GroupedKvPool
+    runner_cls = HybridRunner
+    preemptor_cls = HybridPreemptor
+
+    def __init__(self, model, pool, alloc, prefix_sharing: bool = False, **kwargs):
+        if not isinstance(pool, GroupedKvPool):
+            raise InputError(f"a HybridEngine needs a GroupedKvPool (make_hybrid_engine builds one), "
+                             f"got {type(pool).__name__}")
+        bad = sorted({type(layer.self_attn).__name__ for layer in model.model.layers
+                      if not isinstance(layer.self_attn, GroupedAttention)})
+        if bad:
+            raise InputError(f"the hybrid engine's layers read their group's tables, which {', '.join(bad)} "
+                             f"cannot; load the model with l13_sliding_window.load_hybrid_model")
+        if prefix_sharing:
+            raise InputError("prefix sharing on a hybrid model is not built yet; pass prefix_sharing=False")
+        super().__init__(model, pool, alloc, prefix_sharing=prefix_sharing, **kwargs)
+
+
+    def summary(self) -> dict:
+        bs, groups = self.alloc.block_size, self.pool.groups
+        windows = sorted({g.window for g in groups if g.is_sliding})
+        return {**super().summary(), "kv_cache_groups": len(groups), "layers_per_group": len(groups[0].layers),
+                "sliding_windows": windows, "bytes_per_block": self.pool.bytes_per_block(self.model.config, bs,
+                                                                                           self.model.dtype),
+                "decode_window_blocks_peak": self.runner.decode_window_peak,
+                "decode_window_block_bound": max((window_block_bound(w, bs) for w in windows), default=0)}
+
+
+def make_hybrid_engine(model, num_blocks: int, block_size: int = 16, **kwargs) -> HybridEngine:
+    return make_engine(model, num_blocks, block_size, engine_cls=HybridEngine, **kwargs)

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""L13 smoke test: a hybrid model (sliding-window layers beside full ones) through the engine with
+one block table per KV cache group. By default the embedded model runs as a hybrid: layers 0 and 2
+read the last 64 positions, 1 and 3 everything, on passages of text longer than the window. Every
+request must end with HF's ids for the same hybrid config; a sliding group must never hold more
+than ceil(W / block_size) + 1 blocks in a decode; every block must be free at the end."""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness.cli import starting  # noqa: E402
+
+with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
+    from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
+    from harness.tiny_models import EMBEDDED_HYBRID_WINDOW, as_hybrid  # noqa: E402
+    from l1_contiguous import InputError, load_config  # noqa: E402
+    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, WorkItem, engine_backend  # noqa: E402
+    from l13_sliding_window import blocks_at_peak, kv_cache_groups, load_hybrid_model, make_hybrid_engine  # noqa: E402
+
+
+LESSON = "L13"
+PASSAGES = Path(__file__).resolve().parent.parent / "assets" / "kjv-heldout.txt"
+DEFAULT_SPANS = [(0, 150), (700, 90), (1400, 40), (2100, 130)]  # (character offset, prompt tokens)
+
+
+def add_options(parser):
+    parser.add_argument("--as-hybrid", choices=["auto", "off"], default="auto",
+                        help="auto (default): a model whose config has no sliding layers runs as a hybrid "
+                             "(--window, --sliding-layers) through a copy of its config; off: as it is")
+    parser.add_argument("--window", type=int, default=EMBEDDED_HYBRID_WINDOW,
+                        help=f"sliding window in positions for --as-hybrid (default {EMBEDDED_HYBRID_WINDOW})")
+    parser.add_argument("--sliding-layers", default=None,
+                        help="layers that slide for --as-hybrid, e.g. 0,2 (default: every other layer from 0)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="pool size (default: enough for every request at once)")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help=f"at most this many prompt tokens per step (default {DEFAULT_PREFILL_CHUNK})")
+    parser.add_argument("--preempt", choices=MODES, default="recompute",
+                        help="how a request is preempted when the pool runs out (default: recompute)")
+    parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
+                        help="decode attention of the full-attention groups (default: kernel on CUDA, the cpu "
+                             "kernel or gather on CPU); sliding groups gather their window")
+
+
+def hybrid_folder(args, setup) -> None:
+    """Point `setup` at a hybrid copy of the model's config, unless it is a hybrid already (or --as-hybrid off)."""
+    if args.as_hybrid == "off" or setup.cfg.sliding_layers:
+        return
+    layers = setup.cfg.num_hidden_layers
+    sliding = parse_layers(args.sliding_layers, layers) if args.sliding_layers else set(range(0, layers, 2))
+    if args.window < 1:
+        raise InputError(f"--window must be at least 1 position, got {args.window}")
+    folder = Path(tempfile.mkdtemp(prefix="l13-hybrid-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    types = ["sliding_attention" if i in sliding else "full_attention" for i in range(layers)]
+    setup.model_dir = as_hybrid(setup.model_dir, folder, args.window, types)
+    setup.cfg = load_config(setup.model_dir)
+
+
+def parse_layers(spec: str, num_layers: int) -> set[int]:
+    try:
+        layers = {int(part) for part in spec.split(",") if part.strip()}
+    except ValueError:
+        raise InputError(f"--sliding-layers takes layer numbers like 0,2, got {spec!r}") from None
+    if not layers or not all(0 <= i < num_layers for i in layers):
+        raise InputError(f"--sliding-layers must name layers from 0 to {num_layers - 1}, got {spec!r}")
+    return layers
+
+
+def workload(args, setup) -> list[WorkItem]:
+    """Given prompts, or passages of held-out text longer than the window (one arriving per step)."""
+    if args.prompt or args.prompt_ids or setup.tokenizer is None:
+        prompts = [p.ids for p in setup.prompts]
+    else:
+        text = PASSAGES.read_text()
+        prompts = [encode(setup.tokenizer, text[start:])[:length] for start, length in DEFAULT_SPANS]
+    return [WorkItem(ids, setup.max_new_tokens, arrival_step=i) for i, ids in enumerate(prompts)]
+
+
+def run(args, setup) -> LessonRun:
+    for name, value in (("--block-size", args.block_size), ("--prefill-chunk", args.prefill_chunk)):
+        if value < 1:
+            raise InputError(f"{name} must be at least 1, got {value}")
+    hybrid_folder(args, setup)
+    items = workload(args, setup)
+    groups = kv_cache_groups(setup.cfg)
+    peaks = [blocks_at_peak(groups, len(w.prompt_ids) + w.max_new_tokens - 1, args.block_size,
+                            args.prefill_chunk) for w in items]
+    model = load_hybrid_model(setup.model_dir, setup.dtype, setup.device)
+    backend = args.backend or engine_backend(setup.device, setup.dtype)
+    check_backend_device(backend, setup.device)
+    engine = make_hybrid_engine(model, args.num_blocks or sum(peaks), args.block_size, preempt=args.preempt,
+                                prefill_chunk=args.prefill_chunk, backend=backend)
+    requests = engine.run(items)
+    results = [RequestResult(r.prompt_ids, r.output_ids, label=f"arrives at step {r.arrival_step}")
+               for r in requests.values()]
+    summary = engine.summary()
+    keep = ("kv_cache_groups", "layers_per_group", "sliding_windows", "bytes_per_block", "blocks_total",
+            "blocks_peak_used", "blocks_free_at_end", "decode_window_blocks_peak", "decode_window_block_bound",
+            "preempted_recompute", "preempted_swap", "tokens_recomputed", "steps")
+    figures = {"backend": backend, "block_size": args.block_size, "prefill_chunk": args.prefill_chunk,
+               "preempt_mode": args.preempt, "sliding_layers": list(setup.cfg.sliding_layers),
+               **{key: summary[key] for key in keep}, "blocks_demanded": sum(peaks),
+               "window_bound_held": summary["decode_window_blocks_peak"] <= summary["decode_window_block_bound"],
+               "all_blocks_free_at_end": summary["blocks_free_at_end"] == summary["blocks_total"]}
+    if not figures["window_bound_held"] or not figures["all_blocks_free_at_end"]:
+        raise AssertionError(f"the engine broke its own bound or leaked: {figures}")  # a bug: exit 3
+    return LessonRun(results, figures)
+
+
+if __name__ == "__main__":
+    sys.exit(run_smoke(LESSON, __doc__, run, add_options))

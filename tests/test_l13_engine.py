@@ -1,0 +1,152 @@
+"""L13's engine against HF on hybrid models, with every step checked (lessons/L13-sliding-window.md §3):
+between steps each sliding group holds exactly the blocks its window still reaches, and during a
+step no more than ceil((W - 1 + n) / block_size) + 1 for n new tokens; full groups hold their whole
+history; no block is held twice or lost; everything is back in the pool at the end. The pool's
+peak is compared with the test's own count of what each step must hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import hf_reference as hf
+from helpers import blocks_for, kjv_prompts, random_prompt
+from l1_contiguous import InputError
+from l5_eviction import State, WorkItem, load_engine_model
+from l8_prefix import make_prefix_engine
+from l13_sliding_window import NULL_BLOCK, HybridRunner, kv_cache_groups, load_hybrid_model, make_hybrid_engine
+
+pytestmark = [pytest.mark.l13, pytest.mark.usefixtures("one_torch_thread")]
+
+# A random hybrid whose kinds differ in size: 4 sliding layers and 2 full ones, so 3 groups of 2.
+RANDOM_HYBRID = dict(num_hidden_layers=6, use_sliding_window=True, sliding_window=12,
+                     layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_model_dir):
+    return load_hybrid_model(hybrid_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(hybrid_model_dir):
+    return kjv_prompts(hybrid_model_dir, [(0, 150), (700, 90), (1400, 40), (2100, 130)])
+
+
+@pytest.fixture(scope="module")
+def hf_hybrid_ids(hybrid_model_dir, prompts):
+    oracle = hf.load_hf_model(str(hybrid_model_dir))
+    return [hf.hf_greedy(oracle, p, 50) for p in prompts]
+
+
+class CheckedRunner(HybridRunner):
+    """The engine's runner, checking each forward's tables before the forward runs."""
+
+    def build_meta(self, reqs, num_new):
+        bs = self.alloc.block_size
+        for req, n in zip(reqs, num_new):
+            for group, table in zip(self.pool.groups, req.tables):
+                held = sum(b != NULL_BLOCK for b in table)
+                if group.is_sliding:
+                    bound = blocks_for(group.window - 1 + n, bs) + 1
+                    assert held <= bound, (f"request {req.request_id} computes {n} tokens from position "
+                                           f"{req.cur_len} holding {held} blocks in a window of {group.window}")
+        return super().build_meta(reqs, num_new)
+
+
+def check_between_steps(engine) -> None:
+    """Each running request's tables are exactly what its next token needs; blocks add up."""
+    bs, alloc, owners = engine.alloc.block_size, engine.alloc, {}
+    for req in engine.requests.values():
+        if req.state is State.FINISHED or not req.tables:
+            assert req.state is not State.FINISHED or (not req.tables and not req.blocks), \
+                f"finished request {req.request_id} still holds blocks"
+            continue
+        for g, (group, table) in enumerate(zip(engine.pool.groups, req.tables)):
+            assert len(table) >= blocks_for(req.cur_len, bs), f"request {req.request_id}: group {g} lost entries"
+            # The next token (position cur_len) reads cur_len - W + 1 .. cur_len: blocks wholly
+            # before that are NULL_BLOCK, every other entry holds a block.
+            oldest = 0 if group.window is None else max(0, req.cur_len - group.window + 1)
+            for i, block in enumerate(table):
+                behind = (i + 1) * bs <= oldest
+                assert (block == NULL_BLOCK) == behind, \
+                    f"request {req.request_id} at {req.cur_len}, group {g} (window {group.window}): entry {i} is {block}"
+                if block != NULL_BLOCK:
+                    assert block not in owners, f"block {block} is held by {owners[block]} and {(req.request_id, g)}"
+                    owners[block] = (req.request_id, g)
+    assert alloc.num_used == len(owners), f"{alloc.num_used} blocks in use, {len(owners)} held by requests"
+
+
+def run_checked(engine, items: list[WorkItem]) -> dict[int, list[int]]:
+    engine.runner.__class__ = CheckedRunner
+    for item in items:
+        engine.add_request(item)
+    while engine.has_unfinished():
+        engine.step()
+        check_between_steps(engine)
+    assert engine.alloc.num_free == engine.alloc.num_blocks, "blocks leaked"
+    return {i: r.output_ids for i, r in engine.requests.items()}
+
+
+@pytest.mark.points(3)
+def test_hybrid_engine_matches_hf_on_the_embedded_hybrid(hybrid, prompts, hf_hybrid_ids):
+    engine = make_hybrid_engine(hybrid, 200, 16)
+    ids = run_checked(engine, [WorkItem(p, 50) for p in prompts])
+    assert [ids[i] for i in range(len(prompts))] == hf_hybrid_ids
+
+
+@pytest.mark.points(3)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_hybrid_engine_matches_hf_preempting_in_a_small_pool_with_chunked_prefill(hybrid, prompts,
+                                                                                hf_hybrid_ids, mode):
+    engine = make_hybrid_engine(hybrid, 24, 16, prefill_chunk=32, preempt=mode)
+    ids = run_checked(engine, [WorkItem(p, 50, arrival_step=3 * i) for i, p in enumerate(prompts)])
+    assert [ids[i] for i in range(len(prompts))] == hf_hybrid_ids
+    preempted = engine.summary()["preempted_" + mode]
+    assert preempted > 0, "the pool was large enough: this test preempts nothing"
+
+
+@pytest.mark.points(2)
+def test_a_random_hybrid_with_kinds_of_unequal_size_matches_hf(make_model):
+    model_dir = make_model(seed=5, **RANDOM_HYBRID)
+    model = load_hybrid_model(model_dir)
+    assert [g.window for g in kv_cache_groups(model.config)] == [None, 12, 12]
+    oracle = hf.load_hf_model(str(model_dir))
+    prompts = [random_prompt(n, 512, seed=50 + n) for n in (45, 30, 61, 9)]
+    engine = make_hybrid_engine(model, 40, 4, prefill_chunk=16)
+    ids = run_checked(engine, [WorkItem(p, 30, arrival_step=i) for i, p in enumerate(prompts)])
+    assert [ids[i] for i in range(len(prompts))] == [hf.hf_greedy(oracle, p, 30) for p in prompts]
+    assert engine.summary()["preempted_recompute"] > 0
+
+
+@pytest.mark.points(2)
+def test_one_requests_peak_blocks_are_what_each_step_must_hold(hybrid, prompts):
+    """Counted here step by step: a full group holds every position so far, a sliding group the
+    blocks from its window's oldest position to the step's last new token."""
+    bs, chunk, window = 16, 32, 64
+    prompt, new = prompts[0], 40  # 150 prompt tokens: five chunks, then decodes
+    engine = make_hybrid_engine(hybrid, 200, bs, prefill_chunk=chunk)
+    run_checked(engine, [WorkItem(prompt, new)])
+    peak, start = 0, 0
+    for n in [chunk] * (len(prompt) // chunk) + [len(prompt) % chunk] + [1] * (new - 1):
+        end = start + n
+        sliding = (end - 1) // bs - max(0, start - window + 1) // bs + 1
+        peak = max(peak, blocks_for(end, bs) + sliding)  # one full group, one sliding group
+        start = end
+    assert engine.alloc.peak_used == peak
+    full_attention_blocks = 2 * blocks_for(len(prompt) + new - 1, bs)  # both groups kept every block
+    assert peak < full_attention_blocks
+
+
+def test_a_full_attention_model_runs_as_one_group_and_equals_l8(embedded_model_dir, prompts):
+    l13 = make_hybrid_engine(load_hybrid_model(embedded_model_dir), 60, 16, prefill_chunk=64)
+    l8 = make_prefix_engine(load_engine_model(embedded_model_dir), 60, 16, prefill_chunk=64, prefix_sharing=False)
+    items = [WorkItem(p, 20) for p in prompts]
+    assert len(l13.pool.groups) == 1
+    assert run_checked(l13, items) == {i: r.output_ids for i, r in l8.run(items).items()}
+
+
+def test_the_hybrid_engine_refuses_what_it_cannot_run(hybrid, embedded_model_dir):
+    with pytest.raises(InputError, match="prefix sharing"):
+        make_hybrid_engine(hybrid, 20, 16, prefix_sharing=True)
+    with pytest.raises(InputError, match="load_hybrid_model"):
+        make_hybrid_engine(load_engine_model(embedded_model_dir), 20, 16)

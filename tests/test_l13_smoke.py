@@ -1,0 +1,51 @@
+"""L13: the smoke script follows the contract: the embedded model as a hybrid and a random hybrid
+folder PASS against HF (with a pool small enough to preempt, by recompute and by swap), the window
+bound and the pool's figures are reported, and bad input exits 2 with a one-line message."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import run_script_json
+
+pytestmark = [pytest.mark.l13, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def test_default_run_is_the_embedded_model_as_a_hybrid_and_passes(capsys):
+    status, report, _ = run_script_json("l13_smoke", ["--max-new-tokens", "12"], capsys)
+    assert status == 0 and report["match"] is True and len(report["requests"]) == 4
+    assert report["sliding_layers"] == [0, 2] and report["sliding_windows"] == [64]
+    assert report["kv_cache_groups"] == 2 and report["layers_per_group"] == 2
+    assert report["decode_window_blocks_peak"] <= report["decode_window_block_bound"] == 64 // 16 + 1
+    assert report["all_blocks_free_at_end"] and report["preempted_recompute"] == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_small_pool_preempts_and_still_passes(capsys, mode):
+    status, report, _ = run_script_json("l13_smoke", ["--max-new-tokens", "12", "--num-blocks", "20",
+                                                      "--prefill-chunk", "32", "--preempt", mode], capsys)
+    assert status == 0 and report["match"] is True
+    assert report[f"preempted_{mode}"] > 0 and report["all_blocks_free_at_end"]
+
+
+def test_a_random_hybrid_folder_runs_as_it_is(capsys, make_model):
+    model_dir = make_model(seed=5, num_hidden_layers=6, use_sliding_window=True, sliding_window=12,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+    status, report, _ = run_script_json("l13_smoke", ["--model", str(model_dir), "--prompt-ids", ",".join(map(str, range(3, 50))),
+                                                      "--prompt-ids", "7,8,9", "--max-new-tokens", "20",
+                                                      "--block-size", "4"], capsys)
+    assert status == 0 and report["match"] is True
+    assert report["sliding_layers"] == [0, 1, 3, 4] and report["kv_cache_groups"] == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--window", "0"], "--window must be at least 1"),
+    (["--sliding-layers", "0,9"], "--sliding-layers must name layers from 0 to 3"),
+    (["--sliding-layers", "a"], "--sliding-layers takes layer numbers"),
+    (["--num-blocks", "3"], "needs"),
+    (["--block-size", "0"], "--block-size must be at least 1"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, argv, message):
+    status, report, err = run_script_json("l13_smoke", argv, capsys)
+    assert status == 2 and report is None
+    assert message in err and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,172 @@
+"""L13's per-group block tables, checked against their contracts (lessons/L13-sliding-window.md §2):
+grow_tables covers every group in one all-or-nothing allocation and keeps what a table holds;
+free_behind_window gives back exactly the blocks no later token reads, found here by listing the
+positions a query reads through the window (L1's window_mask), not by the lesson's formula."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from l1_contiguous import Qwen3Config, window_mask
+from l2_paged import BlockAllocator, OutOfBlocksError, blocks_needed
+from l13_sliding_window import (NULL_BLOCK, HybridRequest, KvCacheGroup, blocks_at_peak, free_behind_window,
+                                grow_tables, kv_cache_groups, release_tables, window_block_bound)
+
+pytestmark = pytest.mark.l13
+
+FULL, SLIDING = KvCacheGroup((1, 3), None), KvCacheGroup((0, 2), 6)
+
+
+def request(prompt_len: int = 40) -> HybridRequest:
+    return HybridRequest(list(range(1, prompt_len + 1)), max_new_tokens=8)
+
+
+def live(req: HybridRequest) -> list[int]:
+    return [b for table in req.tables for b in table if b != NULL_BLOCK]
+
+
+def positions_read(window: int | None, position: int) -> set[int]:
+    """The positions a query at `position` reads, listed from L1's mask (full attention: all before it)."""
+    keys = torch.arange(position + 1)
+    if window is None:
+        return set(range(position + 1))
+    return set(keys[window_mask(torch.tensor([position]), keys, window)[0]].tolist())
+
+
+# ---------------------------------------------------------------- grow_tables
+
+@pytest.mark.points(2)
+def test_grow_tables_covers_every_group_with_distinct_blocks():
+    alloc, req = BlockAllocator(32, 4), request()
+    taken = grow_tables(req, [FULL, SLIDING], alloc, 10)
+    assert [len(t) for t in req.tables] == [3, 3] and taken == 6
+    assert sorted(live(req)) == sorted(req.blocks) and len(set(req.blocks)) == 6
+    assert alloc.num_used == 6
+    before = req.tables
+    assert grow_tables(req, [FULL, SLIDING], alloc, 17) == 4  # 5 blocks each now
+    assert all(t[:3] == b for t, b in zip(req.tables, before)), "grow_tables moved blocks a table already held"
+    assert [len(t) for t in req.tables] == [5, 5] and alloc.num_used == 10 and len(set(req.blocks)) == 10
+    assert grow_tables(req, [FULL, SLIDING], alloc, 12) == 0 and [len(t) for t in req.tables] == [5, 5], \
+        "a table never shrinks in grow_tables"
+
+
+@pytest.mark.points(3)
+def test_grow_tables_is_all_or_nothing_when_the_pool_runs_out():
+    alloc, req = BlockAllocator(7, 4), request()
+    grow_tables(req, [FULL, SLIDING], alloc, 8)  # 2 + 2 blocks
+    tables, blocks, free = req.tables, list(req.blocks), list(alloc.free_blocks)
+    with pytest.raises(OutOfBlocksError):
+        grow_tables(req, [FULL, SLIDING], alloc, 16)  # 4 more needed, 3 free
+    assert req.tables == tables and req.blocks == blocks and alloc.free_blocks == free, \
+        "a failed grow_tables changed the request or the allocator"
+
+
+@pytest.mark.points(2)
+def test_grow_tables_keeps_null_entries_behind_the_window():
+    alloc, req = BlockAllocator(32, 4), request()
+    grow_tables(req, [FULL, SLIDING], alloc, 15)
+    req.cur_len = 14  # the next token (position 14) reads 9..14: blocks 0 and 1 of the sliding table go
+    assert free_behind_window(req, [FULL, SLIDING], alloc) == 2
+    grow_tables(req, [FULL, SLIDING], alloc, 21)
+    assert req.tables[1][:2] == (NULL_BLOCK, NULL_BLOCK) and NULL_BLOCK not in req.tables[1][2:]
+    assert len(req.tables[1]) == len(req.tables[0]) == 6, "entry i of every table is positions 4i..4i+3"
+    assert NULL_BLOCK not in req.blocks and len(req.blocks) == 6 + 4 and alloc.num_used == 10
+
+
+# ---------------------------------------------------------------- free_behind_window
+
+@pytest.mark.points(5)
+def test_free_behind_window_frees_exactly_the_blocks_no_later_token_reads():
+    rng = random.Random(13)
+    for _ in range(300):
+        bs, window = rng.choice([1, 2, 4, 8, 16]), rng.randint(1, 40)
+        groups = [KvCacheGroup((0,), None), KvCacheGroup((1,), window), KvCacheGroup((2,), window)]
+        cur_len = rng.randint(0, 90)
+        alloc, req = BlockAllocator(300, bs), request(max(cur_len, 1))
+        grow_tables(req, groups, alloc, cur_len + 1)
+        req.cur_len = cur_len
+        tables_before, free_before = req.tables, alloc.num_free
+        # What any later token reads: a query at cur_len or after reads nothing before this.
+        oldest = min(positions_read(window, cur_len))
+        expect = {b for i, b in enumerate(tables_before[1] + tables_before[2])
+                  if (i % len(tables_before[1]) + 1) * bs <= oldest}
+        freed = free_behind_window(req, groups, alloc)
+        case = f"block_size {bs}, window {window}, next position {cur_len}"
+        assert freed == len(expect), f"{case}: freed {freed} blocks, {len(expect)} fall behind the window"
+        assert alloc.num_free == free_before + len(expect), case
+        assert req.tables[0] == tables_before[0], f"{case}: a full-attention table changed"
+        for g in (1, 2):
+            assert len(req.tables[g]) == len(tables_before[g]), f"{case}: a sliding table changed length"
+            for i, (now, was) in enumerate(zip(req.tables[g], tables_before[g])):
+                behind = (i + 1) * bs <= oldest
+                assert now == (NULL_BLOCK if behind else was), f"{case}: entry {i} of group {g} is {now}"
+        assert set(req.blocks) == set(live(req)), f"{case}: req.blocks is not the live blocks"
+        assert free_behind_window(req, groups, alloc) == 0, f"{case}: a second call freed more"
+
+
+@pytest.mark.points(2)
+def test_free_behind_window_off_by_one_at_the_window_edge():
+    """bs 4, W 6: position 14 reads 9..14, so block 2 (8..11) stays although 8 is behind."""
+    for cur_len, kept_from in ((12, 1), (13, 2), (14, 2), (15, 2), (16, 2), (17, 3)):
+        alloc, req = BlockAllocator(32, 4), request()
+        grow_tables(req, [FULL, SLIDING], alloc, cur_len + 1)
+        req.cur_len = cur_len
+        free_behind_window(req, [FULL, SLIDING], alloc)
+        table = req.tables[1]
+        assert table[:kept_from] == (NULL_BLOCK,) * kept_from and NULL_BLOCK not in table[kept_from:], \
+            f"next position {cur_len} (reads {cur_len - 5}..{cur_len}): sliding table {table}"
+
+
+@pytest.mark.points(1)
+def test_a_sliding_group_holds_at_most_its_window_bound_at_every_decode():
+    alloc, req = BlockAllocator(64, 4), request(3)
+    for position in range(60):
+        grow_tables(req, [FULL, SLIDING], alloc, position + 1)
+        req.cur_len = position
+        free_behind_window(req, [FULL, SLIDING], alloc)
+        held = sum(b != NULL_BLOCK for b in req.tables[1])
+        assert held <= window_block_bound(6, 4), f"position {position}: the sliding group holds {held} blocks"
+    assert sum(b != NULL_BLOCK for b in req.tables[0]) == 15
+
+
+# ---------------------------------------------------------------- provided: groups and release
+
+def test_release_tables_returns_every_live_block():
+    alloc, req = BlockAllocator(32, 4), request()
+    grow_tables(req, [FULL, SLIDING], alloc, 30)
+    req.cur_len = 29
+    free_behind_window(req, [FULL, SLIDING], alloc)
+    release_tables(req, alloc)
+    assert alloc.num_free == 32 and req.tables == () and req.blocks == []
+
+
+def config(num_layers: int, sliding: tuple[int, ...], window: int | None = 8) -> Qwen3Config:
+    return Qwen3Config(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=num_layers,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=4, rope_theta=1e4,
+                       rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False,
+                       sliding_layers=sliding, sliding_window=window if sliding else None)
+
+
+@pytest.mark.parametrize("num_layers, sliding, sizes", [
+    (4, (0, 2), [2, 2]), (6, (0, 1, 2, 3, 4), [1] * 6), (12, tuple(i for i in range(12) if i % 6 != 5), [2] * 6),
+    (4, (), [4]), (3, (0, 1, 2), [3])])
+def test_groups_have_one_kind_equal_sizes_and_cover_every_layer_once(num_layers, sliding, sizes):
+    cfg = config(num_layers, sliding)
+    groups = kv_cache_groups(cfg)
+    assert [len(g.layers) for g in groups] == sizes
+    assert sorted(layer for g in groups for layer in g.layers) == list(range(num_layers))
+    for g in groups:
+        assert {cfg.window_of(layer) for layer in g.layers} == {g.window}
+    assert not groups[0].is_sliding or not any(not g.is_sliding for g in groups), "full groups come first"
+
+
+def test_blocks_at_peak_counts_a_whole_history_for_full_groups_and_a_window_for_sliding_ones():
+    groups = [FULL, SLIDING]
+    assert blocks_at_peak(groups, 100, 4, 1) == 25 + window_block_bound(6, 4)
+    assert blocks_at_peak(groups, 100, 4, 32) == 25 + blocks_needed(6 - 1 + 32, 4) + 1
+    assert blocks_at_peak(groups, 5, 4, 5) == 2 + 2, "a short request never needs more than its own blocks"
+    assert blocks_at_peak([dataclasses.replace(FULL)], 100, 4, 1) == 25
