@@ -6,6 +6,7 @@ from .groups import (NULL_BLOCK, KvCacheGroup, blocks_at_peak, first_needed_posi
                      window_block_bound)
 from .meta import GroupedStepMeta, build_grouped_meta, build_window_meta
 from .pool import GroupedKvPool
+from .sharing import attach_cached_prefix, copy_on_write_tables, group_key, hybrid_hit_blocks, without_windows
 from .tables import (HybridRequest, blocks_to_grow, free_behind_window, grow_tables, release_tables, set_tables,
                      trim_tables)
 
@@ -13,6 +14,7 @@ __all__ = [
     "GroupedAttention", "load_hybrid_model", "HybridEngine", "HybridPreemptor", "HybridRunner", "HybridScheduler",
     "make_hybrid_engine", "NULL_BLOCK", "KvCacheGroup", "blocks_at_peak", "first_needed_position", "kv_cache_groups",
     "window_block_bound", "GroupedStepMeta", "build_grouped_meta", "build_window_meta", "GroupedKvPool",
+    "attach_cached_prefix", "copy_on_write_tables", "group_key", "hybrid_hit_blocks", "without_windows",
     "HybridRequest", "blocks_to_grow", "free_behind_window", "grow_tables", "release_tables", "set_tables",
     "trim_tables",
 ]

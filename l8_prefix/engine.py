@@ -86,8 +86,7 @@ class PrefixScheduler(Scheduler):
         hits = self._attach_cached_prefix(req) if self.sharing and not req.blocks else 0
         n = super()._try_admit(req, budget)
         if not n and hits:  # it does not fit: hand the cached blocks back, try again next step
-            release(req, self.alloc)
-            req.cur_len, req.block_keys = 0, []
+            self._drop_cached_prefix(req)
         elif n:
             if req.num_preemptions == 0:  # counted once; a recompute is not a hit (see tokens_recomputed)
                 self.counters.prefill_tokens_total += len(req.tokens)
@@ -97,6 +96,10 @@ class PrefixScheduler(Scheduler):
                 if self._in_flight is not None:
                     self._in_flight.update(pending_keys(req))
         return n
+
+    def _drop_cached_prefix(self, req: PrefixRequest) -> None:
+        release(req, self.alloc)
+        req.cur_len, req.block_keys = 0, []
 
     def _hold(self, req: PrefixRequest) -> bool:
         """Hold `req` this step when the next block it could share is being computed by another."""

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """L13 smoke test: a hybrid model (sliding-window layers beside full ones) through the engine with
 one block table per KV cache group. By default the embedded model runs as a hybrid: layers 0 and 2
-read the last 64 positions, 1 and 3 everything, on passages of text longer than the window. Every
-request must end with HF's ids for the same hybrid config; a sliding group must never hold more
-than ceil(W / block_size) + 1 blocks in a decode; every block must be free at the end."""
+read the last 64 positions, 1 and 3 everything, on passages of text longer than the window, in two
+turns: each conversation comes back with its answer and a follow-up, and finds its first turn
+cached (the hybrid hit rule). Every request must end with HF's ids for the same hybrid config; a
+sliding group must never hold more than ceil(W / block_size) + 1 blocks in a decode; every block
+must be free (or cached free) at the end."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ with starting():  # a Ctrl-C during these imports (a second or more) ends in one
 LESSON = "L13"
 PASSAGES = Path(__file__).resolve().parent.parent / "assets" / "kjv-heldout.txt"
 DEFAULT_SPANS = [(0, 150), (700, 90), (1400, 40), (2100, 130)]  # (character offset, prompt tokens)
+FOLLOW_UP = (2800, 20)  # the second turn's new text, after each first turn's prompt and answer
 
 
 def add_options(parser):
@@ -46,6 +49,15 @@ def add_options(parser):
                         help=f"at most this many prompt tokens per step (default {DEFAULT_PREFILL_CHUNK})")
     parser.add_argument("--preempt", choices=MODES, default="recompute",
                         help="how a request is preempted when the pool runs out (default: recompute)")
+    parser.add_argument("--prefix-sharing", choices=["on", "off"], default="on",
+                        help="reuse cached blocks under the hybrid hit rule (default: on)")
+    parser.add_argument("--hit-rule", choices=["hybrid", "all-blocks"], default="hybrid",
+                        help="hybrid (default): a hit needs what the next token reads; all-blocks: every block "
+                             "of every group, as a cache that ignores windows asks")
+    parser.add_argument("--keep-behind-window", action="store_true",
+                        help="blocks a window left behind stay cached for later hits (default: they are freed)")
+    parser.add_argument("--turns", type=int, choices=[1, 2], default=2,
+                        help="2 (default): each request comes back once, with its answer and a follow-up")
     parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
                         help="decode attention of the full-attention groups (default: kernel on CUDA, the cpu "
                              "kernel or gather on CPU); sliding groups gather their window")
@@ -86,6 +98,14 @@ def workload(args, setup) -> list[WorkItem]:
     return [WorkItem(ids, setup.max_new_tokens, arrival_step=i) for i, ids in enumerate(prompts)]
 
 
+def follow_up(args, setup, prompt: list[int]) -> list[int]:
+    """The second turn's new text: a passage of the held-out text, or (raw ids) the prompt's first ids."""
+    if setup.tokenizer is None or args.prompt_ids:
+        return prompt[:8]
+    start, length = FOLLOW_UP
+    return encode(setup.tokenizer, PASSAGES.read_text()[start:])[:length]
+
+
 def run(args, setup) -> LessonRun:
     for name, value in (("--block-size", args.block_size), ("--prefill-chunk", args.prefill_chunk)):
         if value < 1:
@@ -93,25 +113,35 @@ def run(args, setup) -> LessonRun:
     hybrid_folder(args, setup)
     items = workload(args, setup)
     groups = kv_cache_groups(setup.cfg)
-    peaks = [blocks_at_peak(groups, len(w.prompt_ids) + w.max_new_tokens - 1, args.block_size,
-                            args.prefill_chunk) for w in items]
+    longest = max(len(w.prompt_ids) for w in items) * 2 + setup.max_new_tokens + 20  # a second turn, at most
+    peaks = [blocks_at_peak(groups, longest + w.max_new_tokens - 1, args.block_size, args.prefill_chunk)
+             for w in items]
     model = load_hybrid_model(setup.model_dir, setup.dtype, setup.device)
     backend = args.backend or engine_backend(setup.device, setup.dtype)
     check_backend_device(backend, setup.device)
     engine = make_hybrid_engine(model, args.num_blocks or sum(peaks), args.block_size, preempt=args.preempt,
-                                prefill_chunk=args.prefill_chunk, backend=backend)
-    requests = engine.run(items)
-    results = [RequestResult(r.prompt_ids, r.output_ids, label=f"arrives at step {r.arrival_step}")
-               for r in requests.values()]
+                                prefill_chunk=args.prefill_chunk, backend=backend,
+                                prefix_sharing=args.prefix_sharing == "on", hybrid_hit_rule=args.hit_rule == "hybrid",
+                                keep_behind_window=args.keep_behind_window)
+    first = list(engine.run(items).values())
+    if args.turns == 2:  # each conversation comes back after its first turn has finished
+        engine.run([WorkItem(r.tokens + follow_up(args, setup, r.prompt_ids), r.max_new_tokens,
+                             arrival_step=engine.now + i) for i, r in enumerate(first)])
+    results = [RequestResult(r.prompt_ids, r.output_ids,
+                             label=f"turn {1 + (r.request_id >= len(items))}, arrives at step {r.arrival_step}")
+               for r in engine.requests.values()]
     summary = engine.summary()
     keep = ("kv_cache_groups", "layers_per_group", "sliding_windows", "bytes_per_block", "blocks_total",
             "blocks_peak_used", "blocks_free_at_end", "decode_window_blocks_peak", "decode_window_block_bound",
-            "preempted_recompute", "preempted_swap", "tokens_recomputed", "steps")
+            "preempted_recompute", "preempted_swap", "tokens_recomputed", "steps", "prefill_tokens_total",
+            "prefix_hit_tokens", "hit_rate", "cow_copies")
     figures = {"backend": backend, "block_size": args.block_size, "prefill_chunk": args.prefill_chunk,
-               "preempt_mode": args.preempt, "sliding_layers": list(setup.cfg.sliding_layers),
+               "preempt_mode": args.preempt, "prefix_sharing": args.prefix_sharing, "hit_rule": args.hit_rule,
+               "keep_behind_window": args.keep_behind_window, "sliding_layers": list(setup.cfg.sliding_layers),
                **{key: summary[key] for key in keep}, "blocks_demanded": sum(peaks),
                "window_bound_held": summary["decode_window_blocks_peak"] <= summary["decode_window_block_bound"],
                "all_blocks_free_at_end": summary["blocks_free_at_end"] == summary["blocks_total"]}
+    engine.alloc.check()  # every block in exactly one place, key maps agree
     if not figures["window_bound_held"] or not figures["all_blocks_free_at_end"]:
         raise AssertionError(f"the engine broke its own bound or leaked: {figures}")  # a bug: exit 3
     return LessonRun(results, figures)

@@ -53,3 +53,26 @@ def install_fake_forward(engine) -> None:
     """The engine's forwards become FakeForward's (set here: judged, the engine's runner must hold
     the worker's object, not a handle to one)."""
     engine.runner.forward_logits = FakeForward(engine)
+
+
+def chain_keys_in_new_processes(tokens: list[int], block_size: int, hash_seeds: list[str]) -> list[list[str]]:
+    """The hex keys `chain_keys` gives in a new Python process for each PYTHONHASHSEED, loading the
+    lesson's block_hash.py alone (the package would import torch: seconds a process for nothing).
+    Run where the lesson's code is (judged: in the worker, on the student's file)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    path = importlib.util.find_spec("l8_prefix.block_hash").origin
+    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('bh', sys.argv[1]); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); "
+            f"print(' '.join(k.hex() for k in m.chain_keys({tokens!r}, {block_size})))")
+    outs = []
+    for seed in hash_seeds:
+        done = subprocess.run([sys.executable, "-c", code, path], env={**os.environ, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"chain_keys failed in a new process: {done.stderr[-1500:]}")
+        outs.append(done.stdout.split())
+    return outs

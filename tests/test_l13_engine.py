@@ -54,7 +54,8 @@ class CheckedRunner(HybridRunner):
 
 
 def check_between_steps(engine) -> None:
-    """Each running request's tables are exactly what its next token needs; blocks add up."""
+    """Each running request's tables are exactly what its next token needs; every block's
+    reference count is the number of tables holding it; blocks add up."""
     bs, alloc, owners = engine.alloc.block_size, engine.alloc, {}
     for req in engine.requests.values():
         if req.state is State.FINISHED or not req.tables:
@@ -71,8 +72,11 @@ def check_between_steps(engine) -> None:
                 assert (block == NULL_BLOCK) == behind, \
                     f"request {req.request_id} at {req.cur_len}, group {g} (window {group.window}): entry {i} is {block}"
                 if block != NULL_BLOCK:
-                    assert block not in owners, f"block {block} is held by {owners[block]} and {(req.request_id, g)}"
-                    owners[block] = (req.request_id, g)
+                    holders = owners.setdefault(block, [])
+                    assert not holders or holders[0][1] == g, f"block {block} is in groups {holders[0][1]} and {g}"
+                    holders.append((req.request_id, g))
+    for block, holders in owners.items():
+        assert alloc.ref_count[block] == len(holders), f"block {block}: {alloc.ref_count[block]} references, held by {holders}"
     assert alloc.num_used == len(owners), f"{alloc.num_used} blocks in use, {len(owners)} held by requests"
 
 
@@ -146,7 +150,49 @@ def test_a_full_attention_model_runs_as_one_group_and_equals_l8(embedded_model_d
 
 
 def test_the_hybrid_engine_refuses_what_it_cannot_run(hybrid, embedded_model_dir):
-    with pytest.raises(InputError, match="prefix sharing"):
-        make_hybrid_engine(hybrid, 20, 16, prefix_sharing=True)
     with pytest.raises(InputError, match="load_hybrid_model"):
         make_hybrid_engine(load_engine_model(embedded_model_dir), 20, 16)
+
+
+# ---------------------------------------------------------------- prefix sharing on a hybrid
+
+def second_turn(engine, first_prompt: list[int], follow: list[int], new: int) -> tuple[list[int], list[int], int]:
+    """Turn 1 runs to its end; turn 2 (turn 1's prompt, its answer, then `follow`) arrives after it.
+    Returns both turns' ids and the prefix tokens turn 2 found cached."""
+    first = run_checked(engine, [WorkItem(first_prompt, new)])[0]
+    engine.add_request(WorkItem(first_prompt + first + follow, new))
+    before = engine.prefix.prefix_hit_tokens
+    ids = run_checked(engine, [])
+    return first, ids[1], engine.prefix.prefix_hit_tokens - before
+
+
+@pytest.mark.points(3)
+def test_a_second_turn_hits_its_whole_first_turn_under_the_hybrid_rule_and_nothing_without_it(
+        hybrid, hybrid_model_dir, prompts):
+    bs, new = 16, 30
+    first_prompt, follow = prompts[1], prompts[2][:20]
+    oracle = hf.load_hf_model(str(hybrid_model_dir))
+    hits = {}
+    for rule, keep in ((True, False), (False, False), (False, True)):
+        engine = make_hybrid_engine(hybrid, 60, bs, hybrid_hit_rule=rule, keep_behind_window=keep)
+        first, second, hits[rule, keep] = second_turn(engine, first_prompt, follow, new)
+        assert first == hf.hf_greedy(oracle, first_prompt, new)
+        assert second == hf.hf_greedy(oracle, first_prompt + first + follow, new)
+    # Turn 1 keyed every full block of what it computed (its prompt and all answers but the last):
+    # the full group kept them all; the sliding group kept its last window, released at the end.
+    computed = len(first_prompt) + new - 1
+    whole = computed // bs * bs
+    assert hits[True, False] == whole, "the hybrid rule should reuse all of turn 1's full blocks"
+    assert hits[False, False] == 0, "asking for every sliding block finds those behind the window gone"
+    assert hits[False, True] == whole, "kept behind the window, every block is there for either rule"
+
+
+@pytest.mark.points(1)
+def test_samples_of_one_prompt_share_it_and_copy_on_write_in_every_group(hybrid, prompts, hf_hybrid_ids):
+    from l8_prefix import SampledWorkItem
+
+    engine = make_hybrid_engine(hybrid, 60, 16)
+    ids = run_checked(engine, [SampledWorkItem(prompts[0], 50, n=3)])
+    assert list(ids.values()) == [hf_hybrid_ids[0]] * 3
+    assert engine.prefix.fork_shared_tokens == 2 * len(prompts[0])
+    assert engine.prefix.cow_copies == 2 * 2, "two forks each copy their shared last block in both groups"

@@ -13,16 +13,26 @@ pytestmark = [pytest.mark.l13, pytest.mark.usefixtures("one_torch_thread")]
 
 def test_default_run_is_the_embedded_model_as_a_hybrid_and_passes(capsys):
     status, report, _ = run_script_json("l13_smoke", ["--max-new-tokens", "12"], capsys)
-    assert status == 0 and report["match"] is True and len(report["requests"]) == 4
+    assert status == 0 and report["match"] is True and len(report["requests"]) == 8  # two turns of four
     assert report["sliding_layers"] == [0, 2] and report["sliding_windows"] == [64]
     assert report["kv_cache_groups"] == 2 and report["layers_per_group"] == 2
     assert report["decode_window_blocks_peak"] <= report["decode_window_block_bound"] == 64 // 16 + 1
     assert report["all_blocks_free_at_end"] and report["preempted_recompute"] == 0
+    assert report["prefix_hit_tokens"] > 0 and report["hit_rule"] == "hybrid"
+
+
+def test_the_all_blocks_rule_finds_less_and_sharing_off_nothing(capsys):
+    runs = {}
+    for argv in (["--hit-rule", "all-blocks"], ["--prefix-sharing", "off"], []):
+        status, report, _ = run_script_json("l13_smoke", ["--max-new-tokens", "12", *argv], capsys)
+        assert status == 0 and report["match"] is True
+        runs[" ".join(argv)] = report["prefix_hit_tokens"]
+    assert runs["--prefix-sharing off"] == 0 < runs["--hit-rule all-blocks"] < runs[""]
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_small_pool_preempts_and_still_passes(capsys, mode):
-    status, report, _ = run_script_json("l13_smoke", ["--max-new-tokens", "12", "--num-blocks", "20",
+    status, report, _ = run_script_json("l13_smoke", ["--max-new-tokens", "12", "--num-blocks", "24",
                                                       "--prefill-chunk", "32", "--preempt", mode], capsys)
     assert status == 0 and report["match"] is True
     assert report[f"preempted_{mode}"] > 0 and report["all_blocks_free_at_end"]
@@ -43,6 +53,7 @@ def test_a_random_hybrid_folder_runs_as_it_is(capsys, make_model):
     (["--sliding-layers", "0,9"], "--sliding-layers must name layers from 0 to 3"),
     (["--sliding-layers", "a"], "--sliding-layers takes layer numbers"),
     (["--num-blocks", "3"], "needs"),
+    (["--turns", "3"], "invalid choice"),
     (["--block-size", "0"], "--block-size must be at least 1"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):

@@ -1,7 +1,8 @@
-"""L13's per-group block tables, checked against their contracts (lessons/L13-sliding-window.md §2):
-grow_tables covers every group in one all-or-nothing allocation and keeps what a table holds;
-free_behind_window gives back exactly the blocks no later token reads, found here by listing the
-positions a query reads through the window (L1's window_mask), not by the lesson's formula."""
+"""L13's per-group block tables and the hybrid hit rule, checked against their contracts
+(lessons/L13-sliding-window.md §2): grow_tables covers every group in one all-or-nothing
+allocation and keeps what a table holds; free_behind_window gives back exactly the blocks no later
+token reads; hybrid_hit_blocks finds the longest cached prefix whose next token finds everything it
+reads. What a token reads is listed here from L1's window_mask, not from the lesson's formulas."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import torch
 
 from l1_contiguous import Qwen3Config, window_mask
 from l2_paged import BlockAllocator, OutOfBlocksError, blocks_needed
+from l8_prefix import PrefixBlockAllocator, chain_keys
 from l13_sliding_window import (NULL_BLOCK, HybridRequest, KvCacheGroup, blocks_at_peak, free_behind_window,
-                                grow_tables, kv_cache_groups, release_tables, window_block_bound)
+                                group_key, grow_tables, hybrid_hit_blocks, kv_cache_groups, release_tables,
+                                window_block_bound)
 
 pytestmark = pytest.mark.l13
 
@@ -170,3 +173,51 @@ def test_blocks_at_peak_counts_a_whole_history_for_full_groups_and_a_window_for_
     assert blocks_at_peak(groups, 100, 4, 32) == 25 + blocks_needed(6 - 1 + 32, 4) + 1
     assert blocks_at_peak(groups, 5, 4, 5) == 2 + 2, "a short request never needs more than its own blocks"
     assert blocks_at_peak([dataclasses.replace(FULL)], 100, 4, 1) == 25
+
+
+# ---------------------------------------------------------------- hybrid_hit_blocks
+
+def cached_allocator(groups, cached: set[tuple[int, int]], keys: list[bytes], bs: int) -> PrefixBlockAllocator:
+    """An allocator whose cache holds block i of group g (under group_key) for each (g, i) in `cached`."""
+    alloc = PrefixBlockAllocator(len(cached) + 1, bs)
+    for g, i in sorted(cached):
+        (block,) = alloc.alloc_blocks(1)
+        alloc.register(block, group_key(g, keys[i]))
+        alloc.free([block])  # cached free: still found by its key
+    return alloc
+
+
+def usable(h: int, groups, cached, bs: int) -> bool:
+    """Every block holding a position the token at h * bs reads is cached, in every group (the
+    positions listed from L1's mask; the token's own position is computed, not cached)."""
+    return all((g, p // bs) in cached for g, group in enumerate(groups)
+               for p in positions_read(group.window, h * bs) if p < h * bs)
+
+
+@pytest.mark.points(5)
+def test_hybrid_hit_blocks_is_the_longest_prefix_whose_next_token_finds_everything_it_reads():
+    rng = random.Random(31)
+    keys = chain_keys(list(range(200)), 1)  # any distinct keys: the rule only looks them up
+    for _ in range(300):
+        bs = rng.choice([1, 2, 4])
+        groups = [KvCacheGroup((0,), None)] + [KvCacheGroup((g,), rng.randint(1, 12)) for g in (1, 2)][:rng.randint(0, 2)]
+        n = rng.randint(0, 12)
+        density = rng.random()
+        cached = {(g, i) for g in range(len(groups)) for i in range(n) if rng.random() < density}
+        if rng.random() < 0.5:  # the common shape: full groups whole, sliding groups only at the end
+            cached |= {(0, i) for i in range(n)} | {(g, i) for g in range(1, len(groups)) for i in range(n // 2, n)}
+        alloc = cached_allocator(groups, cached, keys, bs)
+        expect = max(h for h in range(n + 1) if usable(h, groups, cached, bs))
+        got = hybrid_hit_blocks(keys[:n], groups, alloc, bs)
+        assert got == expect, (f"block_size {bs}, windows {[g.window for g in groups]}, {n} keys, cached "
+                               f"{sorted(cached)}: {got} blocks, the longest usable prefix is {expect}")
+
+
+@pytest.mark.points(1)
+def test_hybrid_hit_blocks_needs_only_the_window_of_a_sliding_group():
+    bs, keys = 4, chain_keys(list(range(64)), 4)
+    groups = [FULL, SLIDING]  # W 6: the token at position 16 reads 11..16, blocks 2 and 3
+    cached = {(0, i) for i in range(4)} | {(1, 2), (1, 3)}
+    assert hybrid_hit_blocks(keys[:4], groups, cached_allocator(groups, cached, keys, bs), bs) == 4
+    cached = (cached - {(1, 2)}) | {(1, 0), (1, 1)}  # position 16 and 12 need block 2; 8 reads 3..8
+    assert hybrid_hit_blocks(keys[:4], groups, cached_allocator(groups, cached, keys, bs), bs) == 2

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from l2_paged import OutOfBlocksError
 from l8_prefix import PrefixBlockAllocator, block_key, chain_keys
+from probes_l8 import chain_keys_in_new_processes
 
 pytestmark = [pytest.mark.l8]
 
-ROOT = Path(__file__).resolve().parent.parent
 X = [11, 12, 13, 14]  # one block's worth of tokens (block size 4)
 
 
@@ -67,17 +62,8 @@ def test_keys_are_blake2b_128_over_the_parent_then_the_tokens_as_little_endian_i
 @pytest.mark.points(2)
 def test_keys_are_the_same_in_another_process_with_another_hash_seed():
     tokens = list(range(1000, 1037))
-    # Load block_hash.py alone (the package would import torch: seconds per process for nothing).
-    code = ("import importlib.util as u; s = u.spec_from_file_location('bh', 'l8_prefix/block_hash.py'); "
-            "m = u.module_from_spec(s); s.loader.exec_module(m); "
-            f"print(' '.join(k.hex() for k in m.chain_keys({tokens}, 16)))")
     here = [k.hex() for k in chain_keys(tokens, 16)]
-    outs = []
-    for seed in ("1", "12345"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
-        assert done.returncode == 0, done.stderr[-1500:]
-        outs.append(done.stdout.split())
+    outs = chain_keys_in_new_processes(tokens, 16, ["1", "12345"])
     assert outs[0] == outs[1] == here and len(here) == 2
 
 

@@ -10,6 +10,9 @@ Two drivers:
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
@@ -18,7 +21,7 @@ from fingerprints import FAKE_EOS, FAKE_VOCAB, fingerprint, next_token
 from harness.judge import snapshot
 from helpers import budget
 from l5_eviction import State
-from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
+from l8_prefix import SampledWorkItem, make_prefix_engine
 from test_l8_engine import PREFIX, check_all_released, check_invariants, guard_writes, tail
 from probes_l8 import FakeModel, install_fake_forward
 from test_l8_engine import hf_ref, model  # noqa: F401  (fixtures)
@@ -39,13 +42,30 @@ def alone(prompt: list[int], max_new: int) -> list[int]:
     return out
 
 
+def lesson_keys(tokens: list[int], block_size: int) -> list[bytes]:
+    """The keys of the full blocks of `tokens` as the lesson defines them (§2.1: BLAKE2b-128 chained
+    over the parent key and the tokens as `<q`), computed here, not by the student's chain_keys
+    (which test_l8_blocks.py grades; judged, each call would also be a round trip to the worker)."""
+    keys, parent = [], b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = tokens[start:start + block_size]
+        parent = hashlib.blake2b(parent + struct.pack(f"<{block_size}q", *block), digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+def pending(req) -> list[bytes]:
+    """Keys of the prompt blocks `req` will compute but has not keyed yet (l8_prefix.engine.pending_keys)."""
+    return req.prompt_keys[len(req.block_keys):]
+
+
 def check_cached_contents(engine, known: dict[bytes, list[int]]) -> None:
     """Every keyed block (in use or cached free) holds the K of exactly the prefix its key names."""
     k = engine.pool.K[0][:, 0, 0]
     alloc, requests = snapshot((engine.alloc, engine.requests))
     bs = alloc.block_size
     for r in requests.values():
-        for i, key in enumerate(chain_keys(r.tokens, bs)):
+        for i, key in enumerate(lesson_keys(r.tokens, bs)):
             known[key] = r.tokens[:(i + 1) * bs]
     for block, key in alloc.key_of.items():
         prefix = known[key]
@@ -183,21 +203,19 @@ BURST_SETUP = st.fixed_dictionaries({
 
 def watch_holds(engine) -> None:
     """Around each schedule(): a request held shares a block with one that is computing it."""
-    from l8_prefix.engine import pending_keys
-
     scheduler, real, max_hold = engine.scheduler, engine.scheduler.schedule, engine.max_prefix_hold
 
     def schedule(now):
         before = snapshot(scheduler)  # judged: one request for what the checks read
         bs = before.alloc.block_size
-        keys = {r.request_id: chain_keys(r.tokens[:-1], bs) for r in before.waiting}
-        in_flight = {k for r in before.running for k in pending_keys(r)}
+        keys = {r.request_id: lesson_keys(r.tokens[:-1], bs) for r in before.waiting}
+        in_flight = {k for r in before.running for k in pending(r)}
         plan = real(now)
         after, planned, requests = snapshot((scheduler, plan, engine.requests))
-        in_flight |= {k for r, _ in planned if r.request_id in keys for k in pending_keys(r)}
+        in_flight |= {k for r, _ in planned if r.request_id in keys for k in pending(r)}
         # A request swapped back in by this schedule computes from the next step: holding for it
         # is a one-step wait for a hit, as for a running request the prefill budget left out.
-        in_flight |= {k for r in after.running for k in pending_keys(r)}
+        in_flight |= {k for r in after.running for k in pending(r)}
         for i in after.held_now:
             assert set(keys[i]) & in_flight, f"request {i} held although nobody computes its prefix"
         assert all(r.held_steps <= max_hold for r in requests.values())
