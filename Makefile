@@ -87,7 +87,7 @@ $(STAMP): pyproject.toml
 	-command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && apt-get install -y -qq chromium; } || echo "no chromium: L11's browser test will skip"
 	touch $(STAMP)
 
-# L1-L3 print their tables; L5, L8, L10 and L11 (bench_serve) also rewrite their sections of docs/benchmarks.md, under a
+# L1-L3 print their tables; L5, L8, L10, L11 (bench_serve), L12 and L13 also rewrite their sections of docs/benchmarks.md, under a
 # regenerated header (machine, versions, date). Each takes a few minutes on a 2-core CPU.
 bench: setup
 	@for s in scripts/bench_l1.py scripts/bench_l2.py scripts/bench_l3_kernel.py; do echo "== $$s"; $(PY) $$s || exit 1; done
@@ -97,6 +97,7 @@ bench: setup
 	$(PY) scripts/bench_l10.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_serve.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l12.py --markdown docs/benchmarks.md
+	$(PY) scripts/bench_l13.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_bf16.py --shape-0.6b --markdown docs/benchmarks.md
 
 student-copy: setup  ## the repository without solutions, to hand out: student-copy/

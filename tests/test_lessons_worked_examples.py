@@ -276,3 +276,27 @@ def test_l5_swap_or_recompute_table():
                          f"| {tflop.format(matmul / 1e12)} + {attention / 1e12:.2f} = "
                          f"{tflop.format((matmul + attention) / 1e12)} TFLOP "
                          f"| {ms.format((matmul + attention) / compute * 1e3)} ms |")
+
+
+def test_l13_worked_example():
+    """L13 §4: the tables of one request, recomputed with the lesson's grow_tables and free_behind_window."""
+    from l2_paged import BlockAllocator
+    from l13_sliding_window import NULL_BLOCK, HybridRequest, KvCacheGroup, free_behind_window, grow_tables
+
+    def show(table):
+        return "[" + " ".join("-" if b == NULL_BLOCK else str(b) for b in table) + "]"
+
+    groups = [KvCacheGroup((1, 3), None), KvCacheGroup((0, 2), 6)]
+    alloc, req, rows = BlockAllocator(16, 4), HybridRequest(list(range(10)), 8), []
+    for n in (10, 1, 1, 1, 1, 1):
+        start = req.cur_len
+        grow_tables(req, groups, alloc, start + n)
+        during = [show(t) for t in req.tables]
+        req.cur_len += n
+        freed = free_behind_window(req, groups, alloc)
+        oldest = max(0, req.cur_len - 6 + 1)
+        rows.append(f"| {start}..{start + n - 1} | {during[0]} | {during[1]} | {oldest}..{req.cur_len} | "
+                    f"{show(req.tables[1])} | {freed} | {alloc.num_used} |")
+    text = (LESSONS / "L13-sliding-window.md").read_text()
+    table = "\n".join(rows)
+    assert table in text, f"L13 §4's table should read:\n{table}"
