@@ -204,7 +204,7 @@ class SpecEngine(PrefixEngine):
         new_ids = self._cut_at_finish(req, new_ids)
         req.output_ids += new_ids[:-1]
         req.draft, req.draft_probs = [], None
-        rewind(req, self.alloc, len(req.tokens))  # K/V of every kept token stays; the rest goes
+        self._rewind(req, len(req.tokens))  # K/V of every kept token stays; the rest goes
         req.proposed, req.accepted = req.proposed + proposed, req.accepted + len(new_ids) - 1
         self.spec.verify_steps += 1
         self.spec.proposed += proposed
@@ -212,6 +212,9 @@ class SpecEngine(PrefixEngine):
         if self.adaptive_k:
             req.k = next_k(req.k, proposed, kept, self.k_max)
         return new_ids[-1]
+
+    def _rewind(self, req: SpecRequest, new_len: int) -> None:
+        rewind(req, self.alloc, new_len)  # (L13: per group of layers)
 
     def _cut_at_finish(self, req: SpecRequest, new_ids: list[int]) -> list[int]:
         """new_ids up to the first that would finish the request (stop id, eos or length)."""

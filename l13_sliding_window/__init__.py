@@ -7,6 +7,7 @@ from .groups import (NULL_BLOCK, KvCacheGroup, blocks_at_peak, first_needed_posi
 from .meta import GroupedStepMeta, build_grouped_meta, build_window_meta
 from .pool import GroupedKvPool
 from .sharing import attach_cached_prefix, copy_on_write_tables, group_key, hybrid_hit_blocks, without_windows
+from .speculative import HybridSpecEngine, make_hybrid_spec_engine, rewind_tables
 from .tables import (HybridRequest, blocks_to_grow, free_behind_window, grow_tables, release_tables, set_tables,
                      trim_tables)
 
@@ -16,5 +17,5 @@ __all__ = [
     "window_block_bound", "GroupedStepMeta", "build_grouped_meta", "build_window_meta", "GroupedKvPool",
     "attach_cached_prefix", "copy_on_write_tables", "group_key", "hybrid_hit_blocks", "without_windows",
     "HybridRequest", "blocks_to_grow", "free_behind_window", "grow_tables", "release_tables", "set_tables",
-    "trim_tables",
+    "trim_tables", "HybridSpecEngine", "make_hybrid_spec_engine", "rewind_tables",
 ]

@@ -13,7 +13,7 @@ from helpers import blocks_for, kjv_prompts, random_prompt
 from l1_contiguous import InputError
 from l5_eviction import State, WorkItem, load_engine_model
 from l8_prefix import make_prefix_engine
-from l13_sliding_window import NULL_BLOCK, HybridRunner, kv_cache_groups, load_hybrid_model, make_hybrid_engine
+from l13_sliding_window import NULL_BLOCK, kv_cache_groups, load_hybrid_model, make_hybrid_engine
 
 pytestmark = [pytest.mark.l13, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -38,8 +38,8 @@ def hf_hybrid_ids(hybrid_model_dir, prompts):
     return [hf.hf_greedy(oracle, p, 50) for p in prompts]
 
 
-class CheckedRunner(HybridRunner):
-    """The engine's runner, checking each forward's tables before the forward runs."""
+class CheckedBuild:
+    """Mixed into the engine's runner class: checks each forward's tables before the forward runs."""
 
     def build_meta(self, reqs, num_new):
         bs = self.alloc.block_size
@@ -81,7 +81,9 @@ def check_between_steps(engine) -> None:
 
 
 def run_checked(engine, items: list[WorkItem]) -> dict[int, list[int]]:
-    engine.runner.__class__ = CheckedRunner
+    runner_cls = type(engine.runner)
+    if not isinstance(engine.runner, CheckedBuild):
+        engine.runner.__class__ = type(f"Checked{runner_cls.__name__}", (CheckedBuild, runner_cls), {})
     for item in items:
         engine.add_request(item)
     while engine.has_unfinished():
@@ -196,3 +198,19 @@ def test_samples_of_one_prompt_share_it_and_copy_on_write_in_every_group(hybrid,
     assert list(ids.values()) == [hf_hybrid_ids[0]] * 3
     assert engine.prefix.fork_shared_tokens == 2 * len(prompts[0])
     assert engine.prefix.cow_copies == 2 * 2, "two forks each copy their shared last block in both groups"
+
+
+@pytest.mark.points(1)
+def test_speculative_decoding_rewinds_every_group_and_the_window_follows_the_accepted_end(hybrid, prompts,
+                                                                                          hf_hybrid_ids):
+    """L10's verify writes k + 1 positions in every group; the tables are cut back to the accepted end
+    and only then is the window moved (check_between_steps sees each sliding table exactly right)."""
+    from l10_speculative import PromptLookupDrafter
+    from l13_sliding_window.speculative import make_hybrid_spec_engine
+
+    engine = make_hybrid_spec_engine(hybrid, 24, 16, drafter=PromptLookupDrafter(), k=4, prefill_chunk=32)
+    ids = run_checked(engine, [WorkItem(p, 50) for p in prompts])
+    assert [ids[i] for i in range(len(prompts))] == hf_hybrid_ids
+    s = engine.summary()
+    assert 0 < s["accepted"] < s["proposed"], "no proposal was rejected (or none accepted): nothing was rewound"
+    assert s["preempted_recompute"] > 0
