@@ -94,6 +94,8 @@ class VerifyRunner(StepRunner):
 
 class SpecEngine(PrefixEngine):
     request_cls = SpecRequest
+    scheduler_cls = SpecScheduler
+    runner_cls = VerifyRunner
 
     def __init__(self, model, pool, alloc, drafter=None, k: int = 4, adaptive_k: bool = True, **kwargs):
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 16:
@@ -103,12 +105,11 @@ class SpecEngine(PrefixEngine):
         self.spec = SpecCounters()
         self._verified: dict[int, list[int]] = {}  # request id -> ids its verify produced
         super().__init__(model, pool, alloc, **kwargs)
-        self.runner = VerifyRunner(model, pool, alloc, backend=self.runner.backend)
 
     def _make_scheduler(self, policy, prefill_chunk, watermark_blocks):
-        return SpecScheduler(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks,
-                             pool=self.pool, sharing=self.sharing, counters=self.prefix,
-                             max_prefix_hold=self.max_prefix_hold, propose=self._propose)
+        return self.scheduler_cls(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks,
+                                  pool=self.pool, sharing=self.sharing, counters=self.prefix,
+                                  max_prefix_hold=self.max_prefix_hold, propose=self._propose)
 
     def _new_request(self, item) -> SpecRequest:
         req = super()._new_request(item)

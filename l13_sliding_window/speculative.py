@@ -49,15 +49,8 @@ def rewind_tables(req: HybridRequest, alloc, new_len: int) -> None:
 
 class HybridSpecEngine(SpecEngine, HybridEngine):
     request_cls = HybridSpecRequest
-
-    def __init__(self, model, pool, alloc, **kwargs):
-        super().__init__(model, pool, alloc, **kwargs)
-        self.runner = HybridVerifyRunner(model, pool, alloc, backend=self.runner.backend)
-
-    def _make_scheduler(self, policy, prefill_chunk, watermark_blocks):
-        return HybridSpecScheduler(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks,
-                                   pool=self.pool, sharing=self.sharing, counters=self.prefix,
-                                   max_prefix_hold=self.max_prefix_hold, propose=self._propose)
+    scheduler_cls = HybridSpecScheduler
+    runner_cls = HybridVerifyRunner
 
     def _rewind(self, req: HybridSpecRequest, new_len: int) -> None:
         rewind_tables(req, self.alloc, new_len)
