@@ -106,6 +106,8 @@ class HybridPreemptor(Preemptor):
         set_tables(req, ())
 
     def swap_out(self, req: HybridRequest) -> None:
+        """L5's swap-out in every group: only live blocks travel; the tables' shape waits on the host."""
+        # BEGIN SOLUTION
         trim_tables(req, self.alloc)  # only blocks holding K/V travel
         ids = torch.tensor(req.blocks, dtype=torch.int64, device=self.pool.K[0].device)
         pin = ids.is_cuda
@@ -117,11 +119,14 @@ class HybridPreemptor(Preemptor):
         req.swapped_tables = req.tables  # where each live block sat, NULL_BLOCK entries included
         set_tables(req, ())
         req.state = State.SWAPPED
+        # END SOLUTION
 
     def blocks_to_swap_in(self, req: HybridRequest) -> int:
         return sum(b != NULL_BLOCK for table in req.swapped_tables for b in table)
 
     def swap_in(self, req: HybridRequest) -> None:
+        """Fresh blocks at the swapped tables' live entries (all or nothing), their K/V copied back."""
+        # BEGIN SOLUTION
         fresh = iter(self.alloc.alloc_blocks(self.blocks_to_swap_in(req)))  # raises before any change
         set_tables(req, [[b if b == NULL_BLOCK else next(fresh) for b in table] for table in req.swapped_tables])
         ids = torch.tensor(req.blocks, dtype=torch.int64, device=self.pool.K[0].device)
@@ -131,6 +136,7 @@ class HybridPreemptor(Preemptor):
         self.counters.bytes_swapped_in += req.swapped.nbytes
         req.swapped, req.swapped_tables = None, ()
         req.state = State.RUNNING
+        # END SOLUTION
 
 
 class HybridEngine(PrefixEngine):

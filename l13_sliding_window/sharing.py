@@ -73,6 +73,7 @@ def attach_cached_prefix(req: HybridRequest, keys: list[bytes], h: int, groups: 
                          alloc: PrefixBlockAllocator) -> None:
     """Give `req` the cached blocks of its first h blocks that its next token reads, in every
     group (NULL_BLOCK before a sliding group's window); it computes from position h * block_size."""
+    # BEGIN SOLUTION
     bs, tables = alloc.block_size, []
     for g, group in enumerate(groups):
         first = first_needed_position(group.window, h * bs) // bs
@@ -81,6 +82,7 @@ def attach_cached_prefix(req: HybridRequest, keys: list[bytes], h: int, groups: 
     alloc.acquire(held)
     set_tables(req, tables if h else ())
     req.block_keys, req.cur_len = list(keys[:h]), h * bs
+    # END SOLUTION
 
 
 def shared_write_entries(req: HybridRequest, alloc: PrefixBlockAllocator) -> list[int]:
@@ -93,6 +95,7 @@ def shared_write_entries(req: HybridRequest, alloc: PrefixBlockAllocator) -> lis
 def copy_on_write_tables(req: HybridRequest, alloc: PrefixBlockAllocator, pool: BlockKvPool) -> int:
     """L8's copy-on-write in every group: a private copy of each shared block the next token is
     written to; returns the copies made."""
+    # BEGIN SOLUTION
     groups = shared_write_entries(req, alloc)
     if not groups:
         return 0
@@ -106,3 +109,4 @@ def copy_on_write_tables(req: HybridRequest, alloc: PrefixBlockAllocator, pool: 
     alloc.free([req.tables[g][i] for g in groups])  # one reference fewer on each shared block
     set_tables(req, tables)
     return len(groups)
+    # END SOLUTION
