@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from l3_block_kernel import BlockKvPool
 from l8_prefix import PrefixBlockAllocator
 
 from .groups import NULL_BLOCK, KvCacheGroup, first_needed_position
+from .pool import GroupedKvPool
 from .tables import HybridRequest, set_tables
 
 
@@ -92,7 +92,7 @@ def shared_write_entries(req: HybridRequest, alloc: PrefixBlockAllocator) -> lis
             if i < len(table) and table[i] != NULL_BLOCK and alloc.ref_count[table[i]] > 1]
 
 
-def copy_on_write_tables(req: HybridRequest, alloc: PrefixBlockAllocator, pool: BlockKvPool) -> int:
+def copy_on_write_tables(req: HybridRequest, alloc: PrefixBlockAllocator, pool: GroupedKvPool) -> int:
     """L8's copy-on-write in every group: a private copy of each shared block the next token is
     written to; returns the copies made."""
     # BEGIN SOLUTION
