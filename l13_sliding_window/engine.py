@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from l1_contiguous import InputError
-from l2_paged import OutOfBlocksError, kv_positions_needed
+from l2_paged import kv_positions_needed
 from l5_eviction import Preemptor, State, StepRunner, make_engine
 from l5_eviction.lifecycle import SwappedKv
 from l5_eviction.preempt import _to_host
@@ -76,24 +76,22 @@ class HybridRunner(StepRunner):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.sliding = [g for g, group in enumerate(self.pool.groups) if group.is_sliding]
         self.decode_window_peak = 0  # the most blocks one sliding table held during a decode forward
 
     def build_meta(self, reqs, num_new):
-        sliding = [g for g, group in enumerate(self.pool.groups) if group.is_sliding]
         for req, n in zip(reqs, num_new):
-            if n == 1 and sliding:
-                held = max(sum(b != NULL_BLOCK for b in req.tables[g]) for g in sliding)
+            if n == 1 and self.sliding:
+                held = max(sum(b != NULL_BLOCK for b in req.tables[g]) for g in self.sliding)
                 self.decode_window_peak = max(self.decode_window_peak, held)
         return build_grouped_meta(reqs, num_new, self.pool.groups, self.alloc.block_size,
                                   self.model.device, self.backend)
 
-    def reserve_all(self, reqs, num_new) -> None:
-        missing = sum(blocks_to_grow(r, self.pool.groups, self.alloc.block_size, r.cur_len + n)
-                      for r, n in zip(reqs, num_new))
-        if missing > self.alloc.num_free:
-            raise OutOfBlocksError(missing, self.alloc.num_free)
-        for req, n in zip(reqs, num_new):
-            grow_tables(req, self.pool.groups, self.alloc, req.cur_len + n)
+    def _missing_blocks(self, req, num_positions: int) -> int:
+        return blocks_to_grow(req, self.pool.groups, self.alloc.block_size, num_positions)
+
+    def _reserve_positions(self, req, num_positions: int) -> None:
+        grow_tables(req, self.pool.groups, self.alloc, num_positions)
 
 
 class HybridPreemptor(Preemptor):

@@ -24,7 +24,7 @@ from l3_block_kernel import BlockForwardMeta
 from l5_eviction import build_step_meta
 
 from .groups import KvCacheGroup, first_needed_position
-from .tables import HybridRequest, table_slots
+from .tables import HybridRequest, TableSlots
 
 
 @dataclass
@@ -35,7 +35,7 @@ class GroupView:
     tokens: list[int]
     cur_len: int
     blocks: list[int]
-    slot_indices: list[int]
+    slot_indices: TableSlots
 
 
 @dataclass
@@ -54,17 +54,12 @@ def build_grouped_meta(reqs: list[HybridRequest], num_new: list[int], groups: li
         if group.is_sliding:
             ids, meta = build_window_meta(reqs, num_new, g, group.window, block_size, device)
         else:
-            views = [_full_view(r, g, block_size) for r in reqs]
+            views = [GroupView(r.request_id, r.tokens, r.cur_len, list(r.tables[g]),
+                               TableSlots(r.tables[g], block_size)) for r in reqs]
             ids, meta = build_step_meta(views, num_new, device, backend)
         per_group.append(meta)
     first = per_group[0]
     return ids, GroupedStepMeta(positions=first.positions, cu_seqlens_q=first.cu_seqlens_q, groups=per_group)
-
-
-def _full_view(req: HybridRequest, g: int, block_size: int) -> GroupView:
-    table = list(req.tables[g])
-    slots = [b * block_size + i for b in table for i in range(block_size)]
-    return GroupView(req.request_id, req.tokens, req.cur_len, table, slots)
 
 
 def build_window_meta(reqs: list[HybridRequest], num_new: list[int], g: int, window: int, block_size: int,
@@ -78,11 +73,11 @@ def build_window_meta(reqs: list[HybridRequest], num_new: list[int], g: int, win
     for r, (req, n) in enumerate(zip(reqs, num_new)):
         start, end = req.cur_len, req.cur_len + n
         first = first_needed_position(window, start)
-        table = req.tables[g]
+        table_slots = TableSlots(req.tables[g], block_size)
         ids += req.tokens[start:end]
         positions += range(start, end)
-        slots += table_slots(table, block_size, start, end)
-        kv += table_slots(table, block_size, first, end)
+        slots += table_slots[start:end]
+        kv += table_slots[first:end]
         q_req += [r] * n
         k_req += [r] * (end - first)
         k_pos += range(first, end)

@@ -12,6 +12,7 @@ what earlier lessons read from it (a policy's memory share, a release) stays tru
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from l2_paged import BlockAllocator, blocks_needed
@@ -94,12 +95,21 @@ def trim_tables(req: HybridRequest, alloc: BlockAllocator) -> None:
     set_tables(req, [table[:keep] for table in req.tables])
 
 
-def table_slots(table: tuple[int, ...], block_size: int, start: int, end: int) -> list[int]:
-    """Pool slots of positions start..end-1 in a table (none of them behind the window)."""
-    slots = []
-    for position in range(start, end):
-        block = table[position // block_size]
+class TableSlots(Sequence):
+    """The pool slot of every position a table covers (L2's `slot_indices`), computed when read:
+    a decode reads one slot, so no list of the whole history is built each step. Reading a position
+    whose block was freed behind the window is an error, never a stale slot."""
+
+    def __init__(self, table: tuple[int, ...], block_size: int):
+        self.table, self.block_size = table, block_size
+
+    def __len__(self) -> int:
+        return len(self.table) * self.block_size
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        block = self.table[index // self.block_size]
         if block == NULL_BLOCK:
-            raise ValueError(f"position {position} is behind the window: its block was freed")
-        slots.append(block * block_size + position % block_size)
-    return slots
+            raise ValueError(f"position {index} is behind the window: its block was freed")
+        return block * self.block_size + index % self.block_size
