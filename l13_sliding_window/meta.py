@@ -4,7 +4,9 @@
       positions, cu_seqlens_q           the batch's rows (decodes first), the same for every group
       groups[0]  full group             L5's step metadata on that group's tables (block tables
                                         for the decodes, gather + causal mask for prefill chunks)
-      groups[1]  sliding group, W       a gather of each request's window only: the keys from
+      groups[1]  sliding group, W       decodes: L3's block tables (NULL behind the window) with
+                                        window starts, the kernel walking the window's blocks only;
+                                        prefill chunks: a gather of each request's window only,
                                         first_needed_position(W, start) to the last new token,
                                         masked so a query at p reads p - W < s <= p
 
@@ -20,8 +22,9 @@ import torch
 
 from l1_contiguous import window_mask
 from l2_paged.meta import _cumsum
-from l3_block_kernel import BlockForwardMeta
+from l3_block_kernel import BlockForwardMeta, build_block_meta
 from l5_eviction import build_step_meta
+from l5_eviction.mixed import MixedBatchMeta
 
 from .groups import KvCacheGroup, first_needed_position
 from .tables import HybridRequest, TableSlots
@@ -39,6 +42,13 @@ class GroupView:
 
 
 @dataclass
+class WindowDecodeMeta(BlockForwardMeta):
+    """L3's decode metadata for a sliding group: row r reads positions [window_starts[r], context_lens[r])."""
+
+    window_starts: torch.Tensor | None = None  # [B] int32
+
+
+@dataclass
 class GroupedStepMeta:
     positions: torch.Tensor  # [T] int64, the rows' positions (RoPE reads them once for all layers)
     cu_seqlens_q: torch.Tensor  # [B + 1] int64: request r's rows are [cu[r], cu[r + 1])
@@ -52,19 +62,51 @@ def build_grouped_meta(reqs: list[HybridRequest], num_new: list[int], groups: li
     ids, per_group = None, []
     for g, group in enumerate(groups):
         if group.is_sliding:
-            ids, meta = build_window_meta(reqs, num_new, g, group.window, block_size, device)
+            ids, meta = build_sliding_meta(reqs, num_new, g, group.window, block_size, device, backend)
         else:
-            views = [GroupView(r.request_id, r.tokens, r.cur_len, list(r.tables[g]),
-                               TableSlots(r.tables[g], block_size)) for r in reqs]
-            ids, meta = build_step_meta(views, num_new, device, backend)
+            ids, meta = build_step_meta(group_views(reqs, g, block_size), num_new, device, backend)
         per_group.append(meta)
     first = per_group[0]
     return ids, GroupedStepMeta(positions=first.positions, cu_seqlens_q=first.cu_seqlens_q, groups=per_group)
 
 
+def group_views(reqs: list[HybridRequest], g: int, block_size: int) -> list[GroupView]:
+    return [GroupView(r.request_id, r.tokens, r.cur_len, list(r.tables[g]), TableSlots(r.tables[g], block_size))
+            for r in reqs]
+
+
+def build_sliding_meta(reqs: list[HybridRequest], num_new: list[int], g: int, window: int, block_size: int,
+                       device, backend: str):
+    """Group g's metadata when it is sliding: the decodes (first) walk their tables from the window's
+    start, the prefill chunks gather their windows; a step with both gets L5's MixedBatchMeta."""
+    num_decode = num_new.count(1)
+    if num_decode == 0:
+        return build_window_meta(reqs, num_new, g, window, block_size, device)
+    decode_ids, decode = build_window_decode_meta(reqs[:num_decode], g, window, block_size, device, backend)
+    if num_decode == len(reqs):
+        return decode_ids, decode
+    prefill_ids, prefill = build_window_meta(reqs[num_decode:], num_new[num_decode:], g, window, block_size, device)
+    meta = MixedBatchMeta(positions=torch.cat([decode.positions, prefill.positions]),
+                          cu_seqlens_q=torch.cat([decode.cu_seqlens_q, prefill.cu_seqlens_q[1:] + num_decode]),
+                          decode=decode, prefill=prefill)
+    return torch.cat([decode_ids, prefill_ids]), meta
+
+
+def build_window_decode_meta(reqs: list[HybridRequest], g: int, window: int, block_size: int, device,
+                             backend: str) -> tuple[torch.Tensor, WindowDecodeMeta]:
+    """One new token per request: L3's block tables of group g (NULL_BLOCK behind the window, never
+    read) and each token's window start, the oldest position it reads."""
+    # L3's reference walks whole contexts only (it is the oracle there): windows take the gather.
+    backend = "gather" if backend == "reference" else backend
+    ids, meta = build_block_meta(group_views(reqs, g, block_size), [1] * len(reqs), device, backend)
+    starts = [first_needed_position(window, r.cur_len) for r in reqs]
+    return ids, WindowDecodeMeta(**vars(meta), window_starts=torch.tensor(starts, dtype=torch.int32, device=device))
+
+
 def build_window_meta(reqs: list[HybridRequest], num_new: list[int], g: int, window: int, block_size: int,
                       device) -> tuple[torch.Tensor, BlockForwardMeta]:
-    """A gather of each request's window in group g: every row takes the masked (prefill) path.
+    """A gather of each request's window in group g: every row takes the masked (prefill) path
+    (L13's engines use it for prefill chunks; a decode row would work too, at the cost of a copy).
 
     Request r's keys are positions first..end-1 with first = first_needed_position(window, start):
     nothing behind the window is gathered, so a freed block is never read.

@@ -288,8 +288,8 @@ def _bind_emulation(library: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     fn = library.l3_emulated_paged_attention
     fn.restype = ctypes.c_char_p
-    # ..., scale, dtype, cache_format, k_scales, v_scales, partition_size, partial_ml, partial_acc
-    fn.argtypes = [ptr] * 6 + [i32] * 6 + [ctypes.c_float, i32, i32, ptr, ptr, i32, ptr, ptr]
+    # ..., scale, dtype, cache_format, k_scales, v_scales, partition_size, partial_ml, partial_acc, window_starts
+    fn.argtypes = [ptr] * 6 + [i32] * 6 + [ctypes.c_float, i32, i32, ptr, ptr, i32, ptr, ptr, ptr]
     for name in ("l3_emulated_to_16bit", "l3_emulated_from_16bit"):
         getattr(library, name).argtypes = [ptr, ptr, ctypes.c_int64, i32]
     return library
@@ -313,8 +313,8 @@ def _bind_cpu_kernel(library: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     fn = library.l3_cpu_paged_attention
     fn.restype = ctypes.c_char_p
-    # ..., scale, num_threads, cache_format, k_scales, v_scales
-    fn.argtypes = [ptr] * 6 + [i32] * 7 + [ctypes.c_float, i32, i32, ptr, ptr]
+    # ..., scale, num_threads, cache_format, k_scales, v_scales, window_starts
+    fn.argtypes = [ptr] * 6 + [i32] * 7 + [ctypes.c_float, i32, i32, ptr, ptr, ptr]
     return library
 
 

@@ -19,7 +19,9 @@ One algorithm, three implementations, and a stand-in:
 - `paged_attention_gather`: copies each sequence's blocks into a padded batch and calls SDPA once.
   The same result, by the copy the kernel exists to avoid; the engines' CPU fallback when no C++
   compiler is at hand (still faster there than the reference's Python loop over blocks).
-`paged_attention` checks the inputs and picks one.
+`paged_attention` checks the inputs and picks one. All but the reference also take window_starts:
+a sequence then attends to positions [window_starts[s], context_lens[s]) only (L13's sliding-window
+layers), and its table entries before the window's first block are never read.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     scale: float | None = None, backend: str = "auto", *,
                     check_values: bool = True, split_k: bool | None = None,
-                    partition_size: int = SPLIT_K_PARTITION) -> torch.Tensor:
+                    partition_size: int = SPLIT_K_PARTITION,
+                    window_starts: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: each sequence's one query token attends to its first context_len positions.
 
     q [num_seqs, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] (contiguous);
@@ -68,25 +71,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     measurable cost): a bad id would crash the process.
     split_k, partition_size: kernel and emulated only. None lets `use_split_k` decide; True or
     False forces split-K (partitions of partition_size positions, a multiple of 8) or the single pass.
+    window_starts: int32 [num_seqs], each in [0, context_len): sequence s attends to positions
+    [window_starts[s], context_lens[s]) only; its table entries before column window_starts[s] //
+    block_size are never read (they may be -1). Every backend but "reference" takes them ("auto"
+    picks "gather" where it would pick the reference).
     """
     check_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    backend, scale = resolve_call(q, k_cache, block_tables, context_lens, backend, check_values, scale)
+    check_window_starts(q, window_starts)
+    backend, scale = resolve_call(q, k_cache, block_tables, context_lens, backend, check_values, scale,
+                                  window_starts)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if backend in ("kernel", "emulated"):
-        return run_kernel(backend, q, k_cache, v_cache, block_tables, context_lens, scale, split_k, partition_size)
+        return run_kernel(backend, q, k_cache, v_cache, block_tables, context_lens, scale, split_k, partition_size,
+                          window_starts=window_starts)
     if backend == "cpu":
-        return paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale, window_starts=window_starts)
     if backend == "gather":
-        return paged_attention_gather(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_attention_gather(q, k_cache, v_cache, block_tables, context_lens, scale, window_starts)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def resolve_call(q, k_cache, block_tables, context_lens, backend: str, check_values: bool, scale):
+def resolve_call(q, k_cache, block_tables, context_lens, backend: str, check_values: bool, scale,
+                 window_starts=None):
     """The backend a checked call runs on (after the table checks it needs) and its softmax scale."""
+    if window_starts is not None and backend == "reference":
+        raise InputError("backend='reference' attends from position 0 and takes no window_starts; "
+                         "use backend='gather', 'cpu', 'emulated' or 'kernel'")
     backend = _pick_backend(backend, q, k_cache)
+    if window_starts is not None and backend == "reference":  # what "auto" falls back to
+        backend = "gather"
     if backend == "emulated" or (check_values and backend != "cpu"):  # cpu checks them in C++
-        check_table_values(k_cache, block_tables, context_lens)
+        check_table_values(k_cache, block_tables, context_lens, window_starts)
     return backend, q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
@@ -146,18 +162,25 @@ def _read_block(k_cache, v_cache, block_tables, lens, j, math_dtype):
 
 def paged_attention_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, window_starts: torch.Tensor | None = None) -> torch.Tensor:
     """The same attention as the reference, computed as gather-then-SDPA: fast on CPU, not a kernel.
 
-    Copies every table column's block (padding columns read block 0) into K, V [S, H_kv, L, D]
-    with L = max_blocks * block_size, zeroes the positions past each length (their slots may hold
-    NaN, and a masked score of NaN stays NaN), and masks them out of one batched SDPA call.
+    Copies every table column's block (columns a sequence does not read take block 0) into K, V
+    [S, H_kv, L, D] with L = max_blocks * block_size, zeroes the positions outside each sequence's
+    [window start, length) (their slots may hold NaN, and a masked score of NaN stays NaN), and
+    masks them out of one batched SDPA call.
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     length = block_tables.shape[1] * block_size
-    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None].long()  # [S, L]
-    block_ids = torch.where(valid[:, ::block_size], block_tables.long(), 0).flatten()      # [S * max_blocks]
+    positions = torch.arange(length, device=q.device)
+    valid = positions[None, :] < context_lens[:, None].long()  # [S, L]
+    column_read = valid[:, ::block_size]                       # [S, max_blocks]: its first position is
+    if window_starts is not None:                              # below the length, its last at or past
+        starts = window_starts[:, None].long()                 # the window start
+        valid = valid & (positions[None, :] >= starts)
+        column_read = column_read & (positions[None, block_size - 1::block_size] >= starts)
+    block_ids = torch.where(column_read, block_tables.long(), 0).flatten()  # [S * max_blocks]
     # Rows of the copy to zero. On CUDA, nonzero waits for the GPU: this backend is for CPUs.
     past_end = (~valid).flatten().nonzero().squeeze(1)
 
@@ -174,19 +197,20 @@ def paged_attention_gather(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def paged_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                        k_scales=None, v_scales=None) -> torch.Tensor:
+                        k_scales=None, v_scales=None, window_starts=None) -> torch.Tensor:
     """Runs csrc/paged_attention_cpu.cpp on up to torch.get_num_threads() of torch's own OpenMP
     threads (the calling thread alone where it is built without OpenMP). Inputs checked, float32,
-    on the CPU; lengths and block ids are checked in C++ before anything is read. The caches are
-    float32, or L12's fp8/int8 codes with k_scales, v_scales float32 [num_kv_heads] (contiguous)."""
+    on the CPU; lengths, window starts and block ids are checked in C++ before anything is read. The
+    caches are float32, or L12's fp8/int8 codes with k_scales, v_scales float32 [num_kv_heads] (contiguous)."""
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+    window_starts = None if window_starts is None else window_starts.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
     error = load_cpu_kernel().l3_cpu_paged_attention(
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
         block_tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads(),
-        _CACHE_FORMAT_CODES.get(k_cache.dtype, 0), *_pointers(k_scales, v_scales))
+        _CACHE_FORMAT_CODES.get(k_cache.dtype, 0), *_pointers(k_scales, v_scales, window_starts))
     if error is not None:
         raise InputError(error.decode())
     return out
@@ -221,8 +245,17 @@ def _check_pool(q, k_cache, v_cache, cache_dtype=None) -> None:
             f"q's num_heads ({num_heads}) must be a multiple of k_cache's num_kv_heads ({k_cache.shape[2]})", q)
 
 
-def check_table_values(k_cache, block_tables, context_lens) -> None:
-    """Each length in [1, max_blocks * block_size]; each block id a sequence uses in [0, num_blocks)."""
+def check_window_starts(q, window_starts) -> None:
+    """window_starts is None or int32 [num_seqs] on q's device (values: `check_table_values`)."""
+    if window_starts is not None:
+        _expect(window_starts.dtype == torch.int32 and tuple(window_starts.shape) == (q.shape[0],)
+                and window_starts.device == q.device,
+                f"window_starts must be int32 [num_seqs={q.shape[0]}] on q's device {q.device}", window_starts)
+
+
+def check_table_values(k_cache, block_tables, context_lens, window_starts=None) -> None:
+    """Each length in [1, max_blocks * block_size]; each window start in [0, length); each block id
+    a sequence reads (from its window start's block to its last position's) in [0, num_blocks)."""
     num_blocks, block_size = k_cache.shape[:2]
     capacity = block_tables.shape[1] * block_size
     lens = context_lens.long()
@@ -231,8 +264,15 @@ def check_table_values(k_cache, block_tables, context_lens) -> None:
         s = int(bad_len[0])
         raise InputError(f"context_lens must be in [1, {capacity}] (block_tables has {block_tables.shape[1]} "
                          f"columns of block_size {block_size}), got {int(lens[s])} for sequence {s}")
+    starts = torch.zeros_like(lens) if window_starts is None else window_starts.long()
+    bad_start = ((starts < 0) | (starts >= lens)).nonzero()
+    if len(bad_start):
+        s = int(bad_start[0])
+        raise InputError(f"window_starts must be in [0, context_len), got {int(starts[s])} for sequence {s} "
+                         f"(context_len {int(lens[s])})")
     columns = torch.arange(block_tables.shape[1], device=lens.device)
-    used = columns[None, :] < -(-lens[:, None] // block_size)  # [num_seqs, max_blocks]
+    # [num_seqs, max_blocks]
+    used = (columns[None, :] < -(-lens[:, None] // block_size)) & (columns[None, :] >= starts[:, None] // block_size)
     bad_id = (used & ((block_tables < 0) | (block_tables >= num_blocks))).nonzero()
     if len(bad_id):
         s, j = (int(i) for i in bad_id[0])
@@ -281,23 +321,26 @@ def check_alignment(q, k_cache, v_cache) -> None:
 
 
 def run_kernel(backend, q, k_cache, v_cache, block_tables, context_lens, scale: float, split_k, partition_size,
-               k_scales=None, v_scales=None) -> torch.Tensor:
+               k_scales=None, v_scales=None, window_starts=None) -> torch.Tensor:
     """Backend "kernel" or "emulated" on checked inputs: alignment, the split-K choice, the launch.
-    k_scales, v_scales: float32 [num_kv_heads] for L12's fp8/int8 caches, else None."""
+    k_scales, v_scales: float32 [num_kv_heads] for L12's fp8/int8 caches, else None; window_starts
+    as in `paged_attention`."""
     q = q.contiguous()
     check_alignment(q, k_cache, v_cache)
     if split_k is None:
         split_k = use_split_k(q.shape[0], q.shape[1], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1])
     partition = _check_partition_size(partition_size) if split_k else 0
     run = load_extension().forward if backend == "kernel" else paged_attention_emulated
+    window_starts = None if window_starts is None else window_starts.contiguous()
     return run(q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, partition,
-               k_scales, v_scales)
+               k_scales, v_scales, window_starts)
 
 
 def paged_attention_emulated(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                             partition_size: int = 0, k_scales=None, v_scales=None) -> torch.Tensor:
+                             partition_size: int = 0, k_scales=None, v_scales=None,
+                             window_starts=None) -> torch.Tensor:
     """Runs csrc/paged_attention.cu on the CPU (see cuda_emulation.h). Inputs checked and contiguous;
-    k_scales, v_scales as in `run_kernel`."""
+    k_scales, v_scales, window_starts as in `run_kernel`."""
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
     partial_ml = partial_acc = None
@@ -309,7 +352,7 @@ def paged_attention_emulated(q, k_cache, v_cache, block_tables, context_lens, sc
         out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
         block_tables.shape[1], scale, _DTYPE_CODES[q.dtype], _CACHE_FORMAT_CODES.get(k_cache.dtype, 0),
-        *_pointers(k_scales, v_scales), partition_size, *_pointers(partial_ml, partial_acc))
+        *_pointers(k_scales, v_scales), partition_size, *_pointers(partial_ml, partial_acc, window_starts))
     if error is not None:
         raise InputError(error.decode())
     return out

@@ -15,6 +15,10 @@ sequence `context` tokens long, its blocks shuffled through the pool. Per case:
 --kv-format fp8 / int8 (L12): the pool holds one-byte codes with a float32 scale per KV head; the
 kernel reads the codes (kv_MB counts one byte an element), both SDPA baselines read the same values
 dequantized into the model's dtype, as an engine without a quantized kernel would hold them.
+--window W (L13): every sequence attends to its last W positions only (window_starts = context - W,
+the table's columns before the window hold -1, as L13's sliding groups leave them); the baselines
+gather or hold those W positions, kv_MB counts them, and full_us times the kernel on the whole
+context for comparison.
 Every run first reads a buffer twice the size of L2, so the KV comes from memory, not L2.
 Target (issue 5): batch 32, context 2048, bf16 on a GPU: >= 70% of peak HBM bandwidth and no
 slower than SDPA on contiguous KV. On a machine without CUDA the script says so and exits 0.
@@ -22,6 +26,7 @@ slower than SDPA on contiguous KV. On a machine without CUDA the script says so 
     python scripts/bench_l3_kernel.py                               # bf16, batch 1/8/32 x context 512..32k
     python scripts/bench_l3_kernel.py --batches 32 --contexts 2048 --json l3_bench.json
     python scripts/bench_l3_kernel.py --kv-format fp8                # L12's cache, same grid
+    python scripts/bench_l3_kernel.py --window 1024 --contexts 2048,8192,32768   # L13's sliding layers
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-gbps", type=float, default=None, help="the device's peak memory bandwidth, GB/s")
     p.add_argument("--kv-format", choices=["model", "fp8", "int8"], default="model",
                    help="what the pool holds: the model's dtype (default) or L12's one-byte codes")
+    p.add_argument("--window", type=int, default=None,
+                   help="L13: attend to the last WINDOW positions only (window_starts); default: the whole context")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the rows to PATH")
     args = check_bench_args(p.parse_args(argv), p)
     if args.peak_gbps is not None and not args.peak_gbps > 0:
@@ -76,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batches = _int_list(args.batches or "1,8,32", "--batches")
     args.contexts = _int_list(args.contexts or "512,2048,8192,32768", "--contexts")
     args.repeat = args.repeat or (20 if on_cuda else 3)
+    if args.window is not None and args.window < 1:
+        raise InputError(f"--window must be a positive number of positions, got {args.window}")
     if args.block_size < 1 or args.repeat < 1:
         raise InputError(f"--block-size and --repeat must be positive, got {args.block_size} and {args.repeat}")
     return args
@@ -124,13 +133,13 @@ def dequantized(cache, scales, dtype):
     return (cache.float() * scales[:, None]).to(dtype)
 
 
-def l2_gather_index(block_tables, context_lens, block_size):
-    """L2's kv_indices per sequence, padded to the longest context: slots [B, L] and valid [B, L]."""
-    longest = int(context_lens.max())
-    positions = torch.arange(longest, device=block_tables.device)                  # [L]
+def l2_gather_index(block_tables, context_lens, block_size, window_starts):
+    """L2's kv_indices per sequence from its window start, padded to the longest: slots [B, L], valid [B, L]."""
+    longest = int((context_lens - window_starts).max())
+    positions = window_starts[:, None].long() + torch.arange(longest, device=block_tables.device)  # [B, L]
+    valid = positions < context_lens[:, None]
     columns = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
-    slots = block_tables.long()[:, columns] * block_size + positions % block_size  # [B, L]
-    valid = positions[None, :] < context_lens[:, None]
+    slots = block_tables.long().gather(1, columns) * block_size + positions % block_size
     return torch.where(valid, slots, 0), valid
 
 
@@ -168,14 +177,19 @@ def run_case(batch: int, context: int, args, flush, peak_gbps: float | None) -> 
     q, k_cache, v_cache = case["q"], case["k_cache"], case["v_cache"]
     scales = (case["k_scales"], case["v_scales"])
     forward = load_extension().forward  # the binding itself: no wrapper checks inside the timing
-    kernel_args = (q, k_cache, v_cache, case["block_tables"], case["context_lens"], HEAD_DIM ** -0.5)
+    full_tables = case["block_tables"]
+    starts = torch.full_like(case["context_lens"], max(0, context - (args.window or context)))
+    window_tables = torch.where(torch.arange(full_tables.shape[1], device=args.device) < starts[:, None] // args.block_size,
+                                -1, full_tables)  # [B, max_blocks]: -1 behind the window, as L13 leaves them
 
-    def kernel(partition_size):
-        return forward(*kernel_args, partition_size, *scales)
+    def kernel(partition_size, windowed=True):
+        tables, window = (window_tables, starts) if windowed and args.window else (full_tables, None)
+        return forward(q, k_cache, v_cache, tables, case["context_lens"], HEAD_DIM ** -0.5, partition_size,
+                       *scales, window)
 
     k_flat, v_flat = (dequantized(c, s, args.dtype).view(-1, NUM_KV_HEADS, HEAD_DIM)
                       for c, s in zip((k_cache, v_cache), scales))
-    slots, valid = l2_gather_index(case["block_tables"], case["context_lens"], args.block_size)
+    slots, valid = l2_gather_index(full_tables, case["context_lens"], args.block_size, starts)
     k_contig, v_contig = (f[slots].transpose(1, 2).contiguous() for f in (k_flat, v_flat))
     expected = contiguous_sdpa(q, k_contig, v_contig).float()
     error = max((kernel(p).float() - expected).abs().max().item() for p in (0, SPLIT_K_PARTITION))
@@ -185,14 +199,16 @@ def run_case(batch: int, context: int, args, flush, peak_gbps: float | None) -> 
         "gather_sdpa_us": time_us(lambda: gather_sdpa(q, k_flat, v_flat, slots, valid), args, flush),
         "contig_sdpa_us": time_us(lambda: contiguous_sdpa(q, k_contig, v_contig), args, flush),
     }
+    if args.window:
+        times["full_us"] = time_us(lambda: kernel(0, windowed=False), args, flush)
     group = NUM_HEADS // NUM_KV_HEADS
     reads = group // heads_per_block(group)  # blocks that read each KV head's rows
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * reads
+    kv_bytes = 2 * batch * (context - int(starts[0])) * NUM_KV_HEADS * HEAD_DIM * reads
     baseline_bytes = kv_bytes * q.element_size()  # the SDPA baselines read the model's dtype
     kv_bytes *= k_cache.element_size()
     pct = {f"pct_peak_{k[:-3]}": None if peak_gbps is None else
            100 * (kv_bytes if k in ("single_us", "split_us") else baseline_bytes) / us / 1e3 / peak_gbps
-           for k, us in times.items()}
+           for k, us in times.items() if k != "full_us"}
     return {"batch": batch, "context": context, **times, "kv_MB": kv_bytes / 1e6, **pct, "max_abs_err": error}
 
 

@@ -38,11 +38,13 @@ void check_tensor(const torch::Tensor& t, const char* name, const torch::Tensor&
 // head_dim]; block_tables int32 [num_seqs, max_blocks_per_seq]; context_lens int32 [num_seqs].
 // partition_size: 0 for the single-pass kernel, else split-K with partitions of that many positions.
 // k_cache, v_cache in q's dtype, or both fp8 e4m3 / int8 codes (L12) with k_scales, v_scales
-// float32 [num_kv_heads]. Returns out [num_seqs, num_heads, head_dim] in q's dtype.
+// float32 [num_kv_heads]. window_starts: int32 [num_seqs], sequence s attending to positions
+// [window_starts[s], context_lens[s]) only (L13). Returns out [num_seqs, num_heads, head_dim] in q's dtype.
 torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k_cache,
                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                       const torch::Tensor& context_lens, double scale, int64_t partition_size,
-                      const c10::optional<torch::Tensor>& k_scales, const c10::optional<torch::Tensor>& v_scales) {
+                      const c10::optional<torch::Tensor>& k_scales, const c10::optional<torch::Tensor>& v_scales,
+                      const c10::optional<torch::Tensor>& window_starts) {
   TORCH_CHECK(q.is_cuda(), "paged_attention: q must be a CUDA tensor, got ", q.device());
   check_tensor(q, "q", q, 3);
   check_tensor(k_cache, "k_cache", q, 4);
@@ -74,6 +76,12 @@ torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k_cache,
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
               "paged_attention: block_tables and context_lens need one row per sequence of q");
 
+  if (window_starts.has_value()) {
+    check_tensor(*window_starts, "window_starts", q, 1);
+    TORCH_CHECK(window_starts->scalar_type() == torch::kInt32 && window_starts->size(0) == q.size(0),
+                "paged_attention: window_starts must be int32 [num_seqs]");
+  }
+
   const c10::cuda::CUDAGuard guard(q.device());
   torch::Tensor out = torch::empty_like(q);
   PagedAttentionArgs args{};
@@ -96,6 +104,7 @@ torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& k_cache,
     args.k_scales = k_scales->data_ptr<float>();
     args.v_scales = v_scales->data_ptr<float>();
   }
+  args.window_starts = window_starts.has_value() ? window_starts->data_ptr<int32_t>() : nullptr;
   args.partition_size = static_cast<int>(partition_size);
   torch::Tensor partial_ml, partial_acc;  // split-K's partial states, float32
   if (partition_size > 0) {
@@ -117,5 +126,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("block_tables"), pybind11::arg("context_lens"), pybind11::arg("scale"),
         pybind11::arg("partition_size"), pybind11::arg("k_scales") = pybind11::none(),
-        pybind11::arg("v_scales") = pybind11::none());
+        pybind11::arg("v_scales") = pybind11::none(), pybind11::arg("window_starts") = pybind11::none());
 }

@@ -9,14 +9,16 @@ extern "C" const char* l3_emulated_paged_attention(
     void* out, const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
     const int32_t* context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
     int block_size, int max_blocks_per_seq, float scale, int dtype, int cache_format,
-    const float* k_scales, const float* v_scales, int partition_size, float* partial_ml, float* partial_acc) {
+    const float* k_scales, const float* v_scales, int partition_size, float* partial_ml, float* partial_acc,
+    const int32_t* window_starts) {
   const PagedAttentionArgs args{
       .out = out, .q = q, .k_cache = k_cache, .v_cache = v_cache, .block_tables = block_tables,
       .context_lens = context_lens, .num_seqs = num_seqs, .num_heads = num_heads,
       .num_kv_heads = num_kv_heads, .head_dim = head_dim, .block_size = block_size,
       .max_blocks_per_seq = max_blocks_per_seq, .scale = scale, .dtype = static_cast<KvDtype>(dtype),
       .cache_format = static_cast<KvCacheFormat>(cache_format), .k_scales = k_scales, .v_scales = v_scales,
-      .partition_size = partition_size, .partial_ml = partial_ml, .partial_acc = partial_acc};
+      .partition_size = partition_size, .partial_ml = partial_ml, .partial_acc = partial_acc,
+      .window_starts = window_starts};
   return paged_attention_launch(args, nullptr);
 }
 

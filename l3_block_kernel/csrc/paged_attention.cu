@@ -1,6 +1,8 @@
 // Paged-attention decode kernel: the one new query token of each sequence attends to that
 // sequence's whole history, read in place from the block-tensor KV pool by walking the
 // sequence's block table (layouts: paged_attention.h). Plain CUDA C++, no torch headers.
+// With window_starts (L13's sliding layers) it attends to the positions from the window's start
+// only: the walk begins at the tile holding that start, so blocks before it are never touched.
 //
 // Thread mapping
 //   grid   (num_seqs, num_heads / HEADS_PER_BLOCK): a thread block serves HEADS_PER_BLOCK query
@@ -199,10 +201,10 @@ __device__ __forceinline__ void load_query(
   }
 }
 
-// Scores of one tile: s[h][u] = q_h . k_u summed over the warp, -inf where u >= num_valid.
+// Scores of one tile: s[h][u] = q_h . k_u summed over the warp, -inf outside [first_valid, num_valid).
 template <typename C, int HEADS, int ELEMS>
 __device__ __forceinline__ void tile_scores(
-    const float (&q)[HEADS][ELEMS], const Vec<C, ELEMS> (&k)[kTileTokens], int num_valid,
+    const float (&q)[HEADS][ELEMS], const Vec<C, ELEMS> (&k)[kTileTokens], int first_valid, int num_valid,
     float (&s)[HEADS][kTileTokens]) {
 #pragma unroll
   for (int u = 0; u < kTileTokens; ++u) {
@@ -214,7 +216,7 @@ __device__ __forceinline__ void tile_scores(
 #pragma unroll
       for (int e = 0; e < ELEMS; ++e) partial += q[h][e] * k_u[e];
       const float score = warp_sum(partial);  // every lane takes part, masked or not
-      s[h][u] = u < num_valid ? score : -INFINITY;
+      s[h][u] = u >= first_valid && u < num_valid ? score : -INFINITY;
     }
   }
 }
@@ -259,18 +261,21 @@ __device__ __forceinline__ void attend_tile(
     const C* __restrict__ k_rows,  // the tile's first K row, + lane offset; row u at u * row_stride
     const C* __restrict__ v_rows,  // the same for V
     int64_t row_stride,            // num_kv_heads * head_dim: from one position to the next
-    int num_valid,                 // positions of the tile below context_len, 1..kTileTokens
+    int first_valid,               // rows before it lie before the window start: 0..kTileTokens - 1
+    int num_valid,                 // rows before it lie below context_len: 1..kTileTokens
     SoftmaxState<HEADS, ELEMS>& st) {
   Vec<C, ELEMS> k[kTileTokens];
   Vec<C, ELEMS> v[kTileTokens];
 #pragma unroll
   for (int u = 0; u < kTileTokens; ++u) {
-    // Positions past context_len are not loaded at all: their slots may belong to no one yet.
-    k[u] = u < num_valid ? load_vec<C, ELEMS>(k_rows + u * row_stride) : Vec<C, ELEMS>{};
-    v[u] = u < num_valid ? load_vec<C, ELEMS>(v_rows + u * row_stride) : Vec<C, ELEMS>{};
+    // Positions past context_len (or before the window) are not loaded at all: their slots may
+    // belong to no one yet (or to a stale token of the window's first block).
+    const bool valid = u >= first_valid && u < num_valid;
+    k[u] = valid ? load_vec<C, ELEMS>(k_rows + u * row_stride) : Vec<C, ELEMS>{};
+    v[u] = valid ? load_vec<C, ELEMS>(v_rows + u * row_stride) : Vec<C, ELEMS>{};
   }
   float s[HEADS][kTileTokens];
-  tile_scores<C>(q, k, num_valid, s);
+  tile_scores<C>(q, k, first_valid, num_valid, s);
   update_state<C>(s, v, st);
 }
 
@@ -315,12 +320,14 @@ __device__ __forceinline__ void merge_warps(const SoftmaxState<HEADS, ELEMS>& st
 
 // The warps of a block share the tiles of positions [begin, end): warp w takes the tiles
 // w, w + 8, ... counted from begin. begin is a multiple of kTileTokens, so no tile straddles two
-// KV blocks. Returns each warp's state over its tiles.
+// KV blocks; positions below window_start (at most the first tile's first few) are masked.
+// Returns each warp's state over its tiles.
 template <typename C, int HEAD_DIM, int HEADS, int ELEMS>
 __device__ __forceinline__ void attend_positions(
     const float (&q_reg)[HEADS][ELEMS], const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     const int32_t* __restrict__ block_table,  // [max_blocks_per_seq] of this sequence
-    int kv_head, int num_kv_heads, int block_size, int begin, int end, SoftmaxState<HEADS, ELEMS>& state) {
+    int kv_head, int num_kv_heads, int block_size, int begin, int end, int window_start,
+    SoftmaxState<HEADS, ELEMS>& state) {
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t row_stride = int64_t(num_kv_heads) * HEAD_DIM;
@@ -330,7 +337,8 @@ __device__ __forceinline__ void attend_positions(
     const int64_t slot = block_id * block_size + start % block_size;  // the course's slot convention
     const int64_t offset = slot * row_stride + kv_head * HEAD_DIM + lane * ELEMS;
     const int num_valid = min(kTileTokens, end - start);
-    attend_tile<C>(q_reg, k_cache + offset, v_cache + offset, row_stride, num_valid, state);
+    const int first_valid = max(0, window_start - start);
+    attend_tile<C>(q_reg, k_cache + offset, v_cache + offset, row_stride, first_valid, num_valid, state);
   }
 }
 
@@ -340,10 +348,18 @@ struct BlockPlace {
   int first_head;     // the block's first query head
   int kv_head;        // the KV head its query heads share
   int context_len;    // clamped to the table's capacity (the host checks every length)
+  int window_start;   // the first position attended to: 0 without windows
+  int first_tile;     // the tile that holds it: window_start rounded down to kTileTokens
   int64_t first_row;  // q/out row of the first head: seq * num_heads + first_head
 };
 
-__device__ __forceinline__ BlockPlace place_block(const int32_t* __restrict__ context_lens, int heads_per_block,
+// The first position sequence seq attends to, clamped into [0, context_len] (the host checks them).
+__device__ __forceinline__ int window_start_of(const int32_t* __restrict__ window_starts, int seq, int context_len) {
+  return window_starts == nullptr ? 0 : min(max(window_starts[seq], 0), max(context_len, 0));
+}
+
+__device__ __forceinline__ BlockPlace place_block(const int32_t* __restrict__ context_lens,
+                                                  const int32_t* __restrict__ window_starts, int heads_per_block,
                                                   int num_heads, int num_kv_heads, int capacity) {
   BlockPlace p;
   p.seq = blockIdx.x;
@@ -351,6 +367,8 @@ __device__ __forceinline__ BlockPlace place_block(const int32_t* __restrict__ co
   p.kv_head = p.first_head / (num_heads / num_kv_heads);
   // NOTE: the clamp only keeps a bad length from reading past the table's row.
   p.context_len = min(context_lens[p.seq], capacity);
+  p.window_start = window_start_of(window_starts, p.seq, p.context_len);
+  p.first_tile = p.window_start / kTileTokens * kTileTokens;
   p.first_row = int64_t(p.seq) * num_heads + p.first_head;
   return p;
 }
@@ -370,7 +388,7 @@ __device__ __forceinline__ void attend_range(
                 scale_log2 * head_scale<C>(k_scales, p.kv_head), q_reg);
   init_state(state);
   attend_positions<C, HEAD_DIM>(q_reg, k_cache, v_cache, block_tables + int64_t(p.seq) * max_blocks_per_seq,
-                                p.kv_head, num_kv_heads, block_size, begin, end, state);
+                                p.kv_head, num_kv_heads, block_size, begin, end, p.window_start, state);
 }
 
 // Single pass: grid (num_seqs, num_heads / HEADS_PER_BLOCK); one block reads a sequence's whole
@@ -385,14 +403,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) pa
     const float* __restrict__ v_scales,        // [num_kv_heads], codes only
     const int32_t* __restrict__ block_tables,  // [num_seqs, max_blocks_per_seq]
     const int32_t* __restrict__ context_lens,  // [num_seqs]
+    const int32_t* __restrict__ window_starts, // [num_seqs] or nullptr
     int num_heads, int num_kv_heads, int block_size, int max_blocks_per_seq,
     float scale_log2) {                        // softmax scale * log2(e)
   constexpr int kElems = HEAD_DIM / kWarpSize;  // elements of a row that one lane owns
-  const BlockPlace p = place_block(context_lens, HEADS_PER_BLOCK, num_heads, num_kv_heads,
+  const BlockPlace p = place_block(context_lens, window_starts, HEADS_PER_BLOCK, num_heads, num_kv_heads,
                                    max_blocks_per_seq * block_size);
   SoftmaxState<HEADS_PER_BLOCK, kElems> state;
   attend_range<T, C, HEAD_DIM>(q, k_cache, v_cache, k_scales, block_tables, p, max_blocks_per_seq, num_kv_heads,
-                               block_size, scale_log2, 0, p.context_len, state);
+                               block_size, scale_log2, p.first_tile, p.context_len, state);
   const float v_scale = head_scale<C>(v_scales, p.kv_head);
   T* out_rows = out + p.first_row * HEAD_DIM;  // [HEADS_PER_BLOCK, HEAD_DIM]
   merge_warps<HEAD_DIM>(state, [&](int i, float /*m*/, float l, float o) {
@@ -407,20 +426,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) pa
 // its partial state, unnormalised, for the reduce kernel:
 //   partial_ml  [num_seqs, num_heads, max_partitions, 2]         (m in log2 units, l)
 //   partial_acc [num_seqs, num_heads, max_partitions, HEAD_DIM]   (o)
-// A partition past the sequence's end returns at once and writes nothing.
+// A partition past the sequence's end, or wholly before its window, returns at once and writes
+// nothing; a sliding layer's long context launches as many partitions as a full one, but all
+// except the window's one or two leave before reading a byte.
 template <typename T, typename C, int HEAD_DIM, int HEADS_PER_BLOCK>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) paged_attention_partition_kernel(
     float* __restrict__ partial_ml, float* __restrict__ partial_acc, const T* __restrict__ q,
     const C* __restrict__ k_cache, const C* __restrict__ v_cache, const float* __restrict__ k_scales,
     const float* __restrict__ v_scales, const int32_t* __restrict__ block_tables,
-    const int32_t* __restrict__ context_lens, int num_heads, int num_kv_heads, int block_size,
-    int max_blocks_per_seq, int partition_size, float scale_log2) {
+    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ window_starts, int num_heads,
+    int num_kv_heads, int block_size, int max_blocks_per_seq, int partition_size, float scale_log2) {
   constexpr int kElems = HEAD_DIM / kWarpSize;
-  const BlockPlace p = place_block(context_lens, HEADS_PER_BLOCK, num_heads, num_kv_heads,
+  const BlockPlace p = place_block(context_lens, window_starts, HEADS_PER_BLOCK, num_heads, num_kv_heads,
                                    max_blocks_per_seq * block_size);
-  const int begin = blockIdx.z * partition_size;
-  if (begin >= p.context_len) return;  // the whole block leaves before any barrier
-  const int end = min(begin + partition_size, p.context_len);
+  const int partition_begin = blockIdx.z * partition_size;
+  // The whole block leaves before any barrier: past the end, or wholly before the window.
+  if (partition_begin >= p.context_len || partition_begin + partition_size <= p.window_start) return;
+  const int begin = max(partition_begin, p.first_tile);  // both multiples of kTileTokens
+  const int end = min(partition_begin + partition_size, p.context_len);
   SoftmaxState<HEADS_PER_BLOCK, kElems> state;
   attend_range<T, C, HEAD_DIM>(q, k_cache, v_cache, k_scales, block_tables, p, max_blocks_per_seq, num_kv_heads,
                                block_size, scale_log2, begin, end, state);
@@ -443,18 +466,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm<HEADS_PER_BLOCK>) pa
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(HEAD_DIM) paged_attention_reduce_kernel(
     T* __restrict__ out, const float* __restrict__ partial_ml, const float* __restrict__ partial_acc,
-    const int32_t* __restrict__ context_lens, int capacity, int max_partitions, int partition_size) {
+    const int32_t* __restrict__ context_lens, const int32_t* __restrict__ window_starts, int capacity,
+    int max_partitions, int partition_size) {
   const int64_t row = int64_t(blockIdx.x) * gridDim.y + blockIdx.y;  // seq * num_heads + head
   const int d = threadIdx.x;
   const int context_len = min(context_lens[blockIdx.x], capacity);
-  const int num_partitions = context_len > 0 ? (context_len + partition_size - 1) / partition_size : 0;
+  // The partitions the first kernel wrote: from the window start's to the last position's.
+  const int first_partition = window_start_of(window_starts, blockIdx.x, context_len) / partition_size;
+  const int end_partition = context_len > 0 ? (context_len + partition_size - 1) / partition_size : 0;
   const float* ml = partial_ml + row * max_partitions * 2;          // [max_partitions, 2]
   const float* acc = partial_acc + row * max_partitions * HEAD_DIM;  // [max_partitions, HEAD_DIM]
   float m = -INFINITY;
-  for (int z = 0; z < num_partitions; ++z) m = fmaxf(m, ml[z * 2]);
+  for (int z = first_partition; z < end_partition; ++z) m = fmaxf(m, ml[z * 2]);
   float l = 0.f;
   float o = 0.f;
-  for (int z = 0; z < num_partitions; ++z) {
+  for (int z = first_partition; z < end_partition; ++z) {
     const float weight = exp2f(ml[z * 2] - m);
     l += weight * ml[z * 2 + 1];
     o += weight * acc[z * HEAD_DIM + d];
@@ -476,17 +502,18 @@ void launch(const PagedAttentionArgs& a, cudaStream_t stream) {
   if (a.partition_size == 0) {
     const dim3 grid(a.num_seqs, a.num_heads / HEADS_PER_BLOCK);
     LAUNCH_KERNEL((paged_attention_kernel<T, C, HEAD_DIM, HEADS_PER_BLOCK>), grid, kThreads, stream)(
-        out, q, k_cache, v_cache, a.k_scales, a.v_scales, a.block_tables, a.context_lens, a.num_heads,
-        a.num_kv_heads, a.block_size, a.max_blocks_per_seq, scale_log2);
+        out, q, k_cache, v_cache, a.k_scales, a.v_scales, a.block_tables, a.context_lens, a.window_starts,
+        a.num_heads, a.num_kv_heads, a.block_size, a.max_blocks_per_seq, scale_log2);
     return;
   }
   const dim3 grid(a.num_seqs, a.num_heads / HEADS_PER_BLOCK, max_partitions(a));
   LAUNCH_KERNEL((paged_attention_partition_kernel<T, C, HEAD_DIM, HEADS_PER_BLOCK>), grid, kThreads, stream)(
       a.partial_ml, a.partial_acc, q, k_cache, v_cache, a.k_scales, a.v_scales, a.block_tables, a.context_lens,
-      a.num_heads, a.num_kv_heads, a.block_size, a.max_blocks_per_seq, a.partition_size, scale_log2);
+      a.window_starts, a.num_heads, a.num_kv_heads, a.block_size, a.max_blocks_per_seq, a.partition_size,
+      scale_log2);
   LAUNCH_KERNEL((paged_attention_reduce_kernel<T, HEAD_DIM>), dim3(a.num_seqs, a.num_heads), HEAD_DIM, stream)(
-      out, a.partial_ml, a.partial_acc, a.context_lens, a.max_blocks_per_seq * a.block_size, max_partitions(a),
-      a.partition_size);
+      out, a.partial_ml, a.partial_acc, a.context_lens, a.window_starts, a.max_blocks_per_seq * a.block_size,
+      max_partitions(a), a.partition_size);
 }
 
 // A block serves the largest of 8, 4, 2, 1 query heads that divides the GQA group. Groups of

@@ -8,6 +8,9 @@
 //   context_lens      [num_seqs]                       position p of sequence s is stored at
 //                                                      block block_tables[s][p / block_size],
 //                                                      row p % block_size
+//   window_starts     [num_seqs] or none               sequence s attends to positions
+//                                                      [window_starts[s], context_lens[s]) only
+//                                                      (L13's sliding-window layers)
 #pragma once
 
 #include <cstdint>
@@ -48,6 +51,10 @@ struct PagedAttentionArgs {
   int partition_size;
   float* partial_ml;            // [num_seqs, num_heads, max_partitions, 2]: max (log2 units), sum
   float* partial_acc;           // [num_seqs, num_heads, max_partitions, head_dim]
+  // nullptr: every sequence attends from position 0. Else sequence s attends to positions
+  // [window_starts[s], context_len), with window_starts[s] in [0, context_len); its table entries
+  // before column window_starts[s] / block_size are never read (L13 leaves -1 there).
+  const int32_t* window_starts;  // [num_seqs]
 };
 
 // Queues the kernel on `stream`. Returns nullptr on success, else a static one-line message

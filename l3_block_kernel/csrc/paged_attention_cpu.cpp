@@ -3,7 +3,9 @@
 // Same inputs as paged_attention.cu: q [num_seqs, H, D]; k_cache, v_cache [num_blocks, block_size,
 // H_kv, D]; block_tables int32 [num_seqs, max_blocks]; context_lens int32 [num_seqs]. Same walk:
 // block by block through each sequence's table, an online softmax over the positions, keys and
-// values read where they lie in the pool. What changes is who does the work:
+// values read where they lie in the pool. window_starts (L13's sliding layers, or null) moves the
+// walk's start: sequence s reads positions [window_starts[s], context_lens[s]) only, and no block
+// before the window's first. What changes is who does the work:
 //
 //   GPU: one thread block per (sequence, query heads), 128 threads splitting a block's positions
 //   CPU: one work item per sequence (or per range of its KV heads when there are fewer sequences
@@ -45,6 +47,7 @@ struct Args {
   const void* v_cache;
   const int32_t* block_tables;
   const int32_t* context_lens;
+  const int32_t* window_starts;  // [num_seqs] or null (every sequence from position 0)
   int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   float scale;
   const float* k_scales;  // [num_kv_heads], codes only
@@ -107,7 +110,9 @@ float dot(const float* a, const float* b, int n) {
   return sum;
 }
 
-// One sequence, KV heads [h0, h1): each head's G query heads attend to the first len positions.
+int window_start(const Args& a, int seq) { return a.window_starts == nullptr ? 0 : a.window_starts[seq]; }
+
+// One sequence, KV heads [h0, h1): each head's G query heads attend to positions [start, len).
 // Per position the item reads the heads' key rows as one contiguous run (a position's H_kv rows
 // lie side by side in a block), which the hardware prefetcher follows; one item per head would
 // jump a whole position row between reads.
@@ -133,30 +138,31 @@ void attend_item(const Args& a, int seq, int h0, int h1, std::vector<float>& scr
   for (int i = 0; i < rows * D; ++i) qs[i] = q[i] * a.scale;
   std::fill(acc, acc + rows * D, 0.0f);
 
-  const int len = a.context_lens[seq];
+  const int len = a.context_lens[seq], start = window_start(a, seq);
   const int32_t* table = a.block_tables + int64_t(seq) * a.max_blocks;
-  for (int j = 0; j * bs < len; ++j) {
-    const int n = std::min(bs, len - j * bs);  // positions of this block in use
+  for (int j = start / bs; j * bs < len; ++j) {
+    // Rows [t0, n) of this block are in use: t0 > 0 only in the window's first block.
+    const int t0 = std::max(0, start - j * bs), n = std::min(bs, len - j * bs);
     const C* k_block = static_cast<const C*>(a.k_cache) + int64_t(table[j]) * bs * row_stride + int64_t(h0) * D;
     const C* v_block = static_cast<const C*>(a.v_cache) + int64_t(table[j]) * bs * row_stride + int64_t(h0) * D;
-    for (int t = 0; t < n; ++t) {
+    for (int t = t0; t < n; ++t) {
       const float* k = rows_as_float(k_block + t * row_stride, k_scales, heads, D, dequantized);
       for (int r = 0; r < rows; ++r) scores[r * bs + t] = dot(qs + r * D, k + (r / G) * D, D);
     }
     for (int r = 0; r < rows; ++r) {
       float* s = scores + r * bs;
-      const float m_new = std::max(m[r], *std::max_element(s, s + n));
+      const float m_new = std::max(m[r], *std::max_element(s + t0, s + n));
       const float rescale = std::exp(m[r] - m_new);  // 0 on the first block, where m = -inf
       float* acc_r = acc + r * D;
       for (int i = 0; i < D; ++i) acc_r[i] *= rescale;
       l[r] *= rescale;
-      for (int t = 0; t < n; ++t) {
+      for (int t = t0; t < n; ++t) {
         s[t] = std::exp(s[t] - m_new);
         l[r] += s[t];
       }
       m[r] = m_new;
     }
-    for (int t = 0; t < n; ++t) {
+    for (int t = t0; t < n; ++t) {
       const float* v_rows = rows_as_float(v_block + t * row_stride, v_scales, heads, D, dequantized);
       for (int r = 0; r < rows; ++r) {
         const float p = scores[r * bs + t];
@@ -184,7 +190,14 @@ const char* check_tables(const Args& a, int num_blocks) {
                     "got %d for sequence %d", capacity, a.max_blocks, a.block_size, len, s);
       return error_message;
     }
-    for (int j = 0; j * a.block_size < len; ++j) {
+    const int start = window_start(a, s);
+    if (start < 0 || start >= len) {
+      std::snprintf(error_message, sizeof error_message,
+                    "window_starts must be in [0, context_len), got %d for sequence %d (context_len %d)",
+                    start, s, len);
+      return error_message;
+    }
+    for (int j = start / a.block_size; j * a.block_size < len; ++j) {
       const int32_t id = a.block_tables[int64_t(s) * a.max_blocks + j];
       if (id < 0 || id >= num_blocks) {
         std::snprintf(error_message, sizeof error_message,
@@ -200,12 +213,13 @@ const char* check_tables(const Args& a, int num_blocks) {
 }  // namespace
 
 // cache_format: 0 for float32 caches (k_scales, v_scales unused), 1 fp8 e4m3, 2 int8 codes.
+// window_starts: int32 [num_seqs], or null for attention from position 0.
 extern "C" const char* l3_cpu_paged_attention(
     float* out, const float* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
     const int32_t* context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
     int block_size, int max_blocks, int num_blocks, float scale, int num_threads,
-    int cache_format, const float* k_scales, const float* v_scales) {
-  const Args a{out, q, k_cache, v_cache, block_tables, context_lens, num_seqs, num_heads,
+    int cache_format, const float* k_scales, const float* v_scales, const int32_t* window_starts) {
+  const Args a{out, q, k_cache, v_cache, block_tables, context_lens, window_starts, num_seqs, num_heads,
                num_kv_heads, head_dim, block_size, max_blocks, scale, k_scales, v_scales};
   if (num_heads % num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
   void (*attend)(const Args&, int, int, int, std::vector<float>&) =
@@ -220,7 +234,7 @@ extern "C" const char* l3_cpu_paged_attention(
   // Handing work to other threads costs microseconds: a small call (a tiny model, short contexts)
   // runs on the calling thread alone, a larger one on up to num_threads.
   int64_t keys = 0;  // key elements to read, all sequences and KV heads
-  for (int s = 0; s < num_seqs; ++s) keys += int64_t(context_lens[s]) * num_kv_heads * head_dim;
+  for (int s = 0; s < num_seqs; ++s) keys += int64_t(context_lens[s] - window_start(a, s)) * num_kv_heads * head_dim;
   const int workers = int(std::clamp<int64_t>(keys / kMinKeysPerThread, 1, std::max(1, num_threads)));
   // Items: each sequence's KV heads cut into `parts` ranges, enough for every worker to get a
   // few even with one sequence. Worker w takes items w, w + workers, ...: neighbouring items
