@@ -125,8 +125,12 @@ def run(args, setup) -> LessonRun:
                                 keep_behind_window=args.keep_behind_window)
     first = list(engine.run(items).values())
     if args.turns == 2:  # each conversation comes back after its first turn has finished
-        engine.run([WorkItem(r.tokens + follow_up(args, setup, r.prompt_ids), r.max_new_tokens,
-                             arrival_step=engine.now + i) for i, r in enumerate(first)])
+        # The teacher-forced rerun (bf16, harness/forcing.py) sends the first run's second turns: its
+        # first turns follow HF's ids, and prompts built from those would not be the ones compared.
+        if getattr(args, "second_turn_prompts", None) is None:
+            args.second_turn_prompts = [r.tokens + follow_up(args, setup, r.prompt_ids) for r in first]
+        engine.run([WorkItem(prompt, r.max_new_tokens, arrival_step=engine.now + i)
+                    for i, (prompt, r) in enumerate(zip(args.second_turn_prompts, first))])
     results = [RequestResult(r.prompt_ids, r.output_ids,
                              label=f"turn {1 + (r.request_id >= len(items))}, arrives at step {r.arrival_step}")
                for r in engine.requests.values()]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import run_script_json
+from helpers import load_script, run_script_json
 
 pytestmark = [pytest.mark.l13, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -46,6 +46,29 @@ def test_a_random_hybrid_folder_runs_as_it_is(capsys, make_model):
                                                       "--block-size", "4"], capsys)
     assert status == 0 and report["match"] is True
     assert report["sliding_layers"] == [0, 1, 3, 4] and report["kv_cache_groups"] == 3
+
+
+def test_the_teacher_forced_rerun_sends_the_first_runs_second_turns():
+    """In bf16 a first turn can leave HF's path at a near-tie; the rerun then forces HF's ids there,
+    and a second turn built from them would be a prompt the comparison never asked about (on an
+    H200 that failed two requests with "new token 0 was never computed"). Here every first turn is
+    forced off our path after its first new token: each second turn must still get every row."""
+    from harness.forcing import ForcedPaths
+    from harness.smoke import make_parser, resolve, rerun_forced
+
+    module = load_script("l13_smoke")
+    parser = make_parser(module.LESSON, module.__doc__)
+    module.add_options(parser)
+    args = parser.parse_args(["--max-new-tokens", "6"])
+    setup = resolve(args)
+    first = module.run(args, setup).requests
+    turn_one, turn_two = first[:len(first) // 2], first[len(first) // 2:]
+    other = {r.ids[1]: r.ids[1] + 1 for r in turn_one}  # an id that is not ours
+    paths = {tuple(r.prompt_ids): r.ids[:1] + [other[r.ids[1]]] + r.ids[2:] for r in turn_one}
+    paths.update({tuple(r.prompt_ids): r.ids for r in turn_two})
+    forced = rerun_forced(module.run)(args, setup, ForcedPaths(paths))
+    for r in turn_two:
+        assert all(forced.logits(r.prompt_ids)), r.label
 
 
 @pytest.mark.parametrize("argv, message", [
