@@ -37,16 +37,17 @@ A probe, like everything in the worker, is the student's to change: what it reco
 code produced, as any reply is; the judge's own arithmetic (expected ids, fingerprints.py) stays
 in the judge.
 
-Status (2026-11-27): the Gradescope runner (instructor/autograder/grade.py) judges L1-L3, L5,
+Status (2026-11-27): the Gradescope runner (instructor/autograder/grade.py) judges L1-L3, L5, L8,
 L10 and L12 (JUDGED_LESSONS there); measured judged on the solution: L1-L3's graded tests 115/115,
 L10 19/19 (100 s; 13 s in one process), L12 22/22; L2's allocator file 4 s (1.4 s in one process);
 L5 through the bundle 184/184 points (its four files 442 s; the 300-request soaks check only the
-live requests each step, see tests/test_l5_invariants.py). Not yet: L8 (property, burst and engine
-files together over 10 minutes before their checks read only what they check), L11 (its server
-runs in a thread of the judge and calls the worker from there), the notebooks (a kernel would have
-to import the harness first). A test interrupted while the worker runs (its time limit) stops the
-worker, and pytest stops after that test (Endpoint.stop): the runner goes on with the remaining
-tests and a new worker.
+live requests each step, see tests/test_l5_invariants.py); L8's five files 124/124 points in 118 s
+(its property tests run half their random examples judged: tests/helpers.py `budget`). Not yet:
+L11 (its server runs in a thread of the judge and calls the worker from there), L13 (its engine
+tests swap the runner's class and read every table after every step from the judge), the
+notebooks (a kernel would have to import the harness first). A test interrupted while the worker
+runs (its time limit) stops the worker, and pytest stops after that test (Endpoint.stop): the
+runner goes on with the remaining tests and a new worker.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ class Endpoint:
     def forget(self, handle: int) -> None:
         """A proxy of `handle` died: tell the peer, with how many times it was received (less the
         tensors copied from it that are still alive: their finalizers release those)."""
-        alive = sum(1 for _, origin, _, _ in self.tracked.values() if origin == handle)
+        alive = sum(1 for _, origin, _, _ in self.tracked.copy().values() if origin == handle)  # see _dirty_tensors
         count = self.received.get(handle, 0) - alive
         if alive:
             self.received[handle] = alive
@@ -557,7 +558,10 @@ class Endpoint:
 
     def _dirty_tensors(self, blobs: list) -> list:
         synced = []
-        for key, (ref, origin, version, pointer) in list(self.tracked.items()):
+        # NOTE: over a copy taken in one step. Garbage collection can run at any allocation in the
+        # loop and finalize a tracked tensor, whose _untrack pops it from self.tracked: iterating
+        # the dict itself failed judged tests at random ("dictionary changed size during iteration").
+        for key, (ref, origin, version, pointer) in self.tracked.copy().items():
             tensor = ref()
             if tensor is None or (tensor._version == version and tensor.data_ptr() == pointer):
                 continue
@@ -635,8 +639,8 @@ class Endpoint:
             raise JudgeError(self.broken)
         blobs: list[bytes] = []
         sent_tensors: list = []
-        message = {"kind": "request", "op": op, "release": self.released[:]}
-        self.released.clear()
+        release, self.released = self.released, []  # a finalizer may append while the message is built
+        message = {"kind": "request", "op": op, "release": release}
         for name, value in fields.items():
             message[name] = self.encode(value, blobs, sent_tensors) if name in ("args", "kwargs", "value") else value
         if self.side == "judge":

@@ -19,8 +19,14 @@ rate (prompt tokens found cached over prompt tokens) under the hybrid rule and u
 cache that asks for every block of every group, with blocks behind the window forgotten (the
 default) or kept.
 
+Run on the 0.6B shape (`--shape-0.6b`, for a GPU: a random model with Qwen3-0.6B's config, about
+2.4 GB of float32 weights): the measured workload with 8 requests of 3000-4000 random prompt
+tokens and 64-96 new, full attention against every other layer sliding with W 1024, in a pool
+that fits all and in half of full attention's peak bytes; ids compared with HF's on each config.
+
     python scripts/bench_l13.py                                  # the tables, printed
     python scripts/bench_l13.py --markdown docs/benchmarks.md    # rewrite its section there
+    python scripts/bench_l13.py --shape-0.6b --device cuda --dtype float32   # the run on the 0.6B shape
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ import torch  # noqa: E402
 from harness import hf_reference as hf  # noqa: E402
 from harness.benchmark import (bench_command, bench_parser, check_bench_args, load_average, machine_line,  # noqa: E402
                                markdown_table, print_table, replace_section, write_text_atomic)
-from harness.smoke import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
-from harness.tiny_models import EMBEDDED_HYBRID_LAYER_TYPES, EMBEDDED_HYBRID_WINDOW, as_hybrid  # noqa: E402
+from harness.smoke import DEFAULT_MODEL, resolve_device, resolve_model_dir  # noqa: E402
+from harness.tiny_models import EMBEDDED_HYBRID_LAYER_TYPES, EMBEDDED_HYBRID_WINDOW, as_hybrid, make_random_model  # noqa: E402
 from l1_contiguous import Qwen3Config, load_config  # noqa: E402
 from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, load_engine_model  # noqa: E402
 from l8_prefix import make_prefix_engine  # noqa: E402
@@ -64,6 +70,8 @@ def parse_args(argv=None):
     p = bench_parser(__doc__.split("\n\n")[0], repeat=1)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--markdown", metavar="PATH", default=None, help="rewrite the `bench_l13` section of PATH")
+    p.add_argument("--shape-0.6b", dest="shape_06b", action="store_true",
+                   help="only the run on a random model of Qwen3-0.6B's shape (meant for a GPU)")
     return check_bench_args(p.parse_args(argv), p)
 
 
@@ -93,22 +101,26 @@ def workload(vocab: int, seed: int = 0) -> list[WorkItem]:
             for _ in range(16)]
 
 
-def engine_run(kind: str, model_dir: Path, num_blocks: int, block_size: int, items):
+def engine_run(kind: str, model_dir: Path, num_blocks: int, block_size: int, items, device="cpu",
+               dtype=torch.float32):
     if kind == "hybrid":
-        engine = make_hybrid_engine(load_hybrid_model(model_dir), num_blocks, block_size, prefix_sharing=False)
+        engine = make_hybrid_engine(load_hybrid_model(model_dir, dtype, device), num_blocks, block_size,
+                                    prefix_sharing=False)
     else:
-        engine = make_prefix_engine(load_engine_model(model_dir), num_blocks, block_size, prefix_sharing=False)
+        engine = make_prefix_engine(load_engine_model(model_dir, dtype, device), num_blocks, block_size,
+                                    prefix_sharing=False)
     done = engine.run(items)
     return engine, [done[i].output_ids for i in range(len(items))]
 
 
-def measured_rows(full_dir: Path, hybrid_dir: Path, block_size: int) -> list[dict]:
+def measured_rows(full_dir: Path, hybrid_dir: Path, block_size: int, items=None, device="cpu",
+                  dtype=torch.float32, window: int = EMBEDDED_HYBRID_WINDOW) -> list[dict]:
     cfg = load_config(full_dir)
-    items = workload(cfg.vocab_size)
-    dirs = {"full attention": full_dir, "hybrid (window 64)": hybrid_dir}
-    per_block = {name: GroupedKvPool.bytes_per_block(load_config(d), block_size, torch.float32) for name, d in dirs.items()}
-    expected = {name: [hf.hf_greedy(hf.load_hf_model(str(d)), w.prompt_ids, w.max_new_tokens) for w in items]
-                for name, d in dirs.items()}
+    items = items or workload(cfg.vocab_size)
+    dirs = {"full attention": full_dir, f"hybrid (window {window})": hybrid_dir}
+    per_block = {name: GroupedKvPool.bytes_per_block(load_config(d), block_size, dtype) for name, d in dirs.items()}
+    expected = {name: [hf.hf_greedy(hf.load_hf_model(str(d), device, dtype), w.prompt_ids, w.max_new_tokens)
+                       for w in items] for name, d in dirs.items()}
     rows, full_peak_bytes = [], None
     for pool in ("all fit", "half of full's peak"):
         for name, d in dirs.items():
@@ -118,7 +130,7 @@ def measured_rows(full_dir: Path, hybrid_dir: Path, block_size: int) -> list[dic
                                                 block_size, DEFAULT_PREFILL_CHUNK) for w in items)
             else:
                 num_blocks = full_peak_bytes // 2 // per_block[name]
-            engine, ids = engine_run(kind, d, num_blocks, block_size, items)
+            engine, ids = engine_run(kind, d, num_blocks, block_size, items, device, dtype)
             s = engine.summary()
             if pool == "all fit" and kind == "full":
                 full_peak_bytes = s["blocks_peak_used"] * per_block[name]
@@ -128,6 +140,22 @@ def measured_rows(full_dir: Path, hybrid_dir: Path, block_size: int) -> list[dic
                          "preemptions": s["preempted_recompute"] + s["preempted_swap"],
                          "ids = HF": f"{sum(a == b for a, b in zip(ids, expected[name]))}/{len(items)}"})
     return rows
+
+
+def shape_06b_rows(block_size: int, device: str, dtype, tmp: Path, shape=None, window: int = WINDOW_0_6B,
+                   num_requests: int = 8, prompt_tokens=(3000, 4000), new_tokens=(64, 96)) -> list[dict]:
+    """`measured_rows` on a random model of `shape` (default Qwen3-0.6B's) and its hybrid, every
+    other layer sliding with `window`."""
+    shape = {k: v for k, v in (shape or QWEN3_0_6B).items() if k != "model_type"}
+    layers = shape["num_hidden_layers"]
+    longest = prompt_tokens[1] + new_tokens[1]
+    full_dir = make_random_model(tmp / "full-0.6b", hf_init=False, max_position_embeddings=longest, **shape)
+    hybrid_dir = as_hybrid(full_dir, tmp / "hybrid-0.6b", window,
+                           ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+    rng = random.Random(2)
+    items = [WorkItem([rng.randrange(shape["vocab_size"]) for _ in range(rng.randint(*prompt_tokens))],
+                      rng.randint(*new_tokens)) for _ in range(num_requests)]
+    return measured_rows(full_dir, hybrid_dir, block_size, items, device, dtype, window)
 
 
 def hit_rows(hybrid_dir: Path, block_size: int) -> list[dict]:
@@ -153,6 +181,17 @@ def hit_rows(hybrid_dir: Path, block_size: int) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.shape_06b:
+        device, dtype = resolve_device(args.device, args.dtype)
+        with tempfile.TemporaryDirectory(prefix="l13-bench-0.6b-") as tmp:
+            rows = shape_06b_rows(args.block_size, device, dtype, Path(tmp))
+        print(f"Qwen3-0.6B's shape, random weights, {device} {dtype}, block size {args.block_size}, "
+              f"window {WINDOW_0_6B} on every other layer; 8 requests of 3000-4000 + 64-96 tokens")
+        print_table(rows, MEASURED_COLUMNS)
+        if args.json:
+            import json
+            write_text_atomic(args.json, json.dumps({"shape_0.6b": rows}, indent=2))
+        return 0 if all(r["ids = HF"].split("/")[0] == r["ids = HF"].split("/")[1] for r in rows) else 1
     load_at_start = load_average()
     full_dir = resolve_model_dir(args.model or str(DEFAULT_MODEL))
     with tempfile.TemporaryDirectory(prefix="l13-bench-") as tmp:

@@ -14,6 +14,9 @@ import probes
 # `make check-lN` sets COURSE_QUICK=1: the same graded tests, with smaller soaks and fewer random
 # examples, so a lesson's red-to-green loop stays short; `make test` and the autograder run full size.
 QUICK = os.environ.get("COURSE_QUICK") == "1"
+# Judged (the autograder, harness/judge.py), every engine step a test checks is a round trip to the
+# worker: a property test whose examples step an engine hundreds of times runs `judged` examples.
+JUDGED = bool(os.environ.get("KVCOURSE_JUDGE"))
 
 
 forward_lengths = probes.forward_lengths  # runs beside the lesson's code (probes.py)
@@ -31,9 +34,12 @@ def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
-def budget(full: int, quick: int) -> int:
-    """How many requests or examples a soak or property test runs: `quick` in the fast loop."""
-    return quick if QUICK else full
+def budget(full: int, quick: int, judged: int | None = None) -> int:
+    """How many requests or examples a soak or property test runs: `quick` in the fast loop,
+    `judged` (where given) under the autograder's judge, `full` otherwise."""
+    if QUICK:
+        return quick
+    return judged if JUDGED and judged is not None else full
 
 
 def hf_ids(model_dir, prompt_ids, max_new_tokens):

@@ -209,6 +209,37 @@ def test_copies_the_test_let_go_are_not_watched_and_one_it_keeps_still_writes_ba
     assert holder.items == [1, 2, 3, 4, 5]
 
 
+def test_copies_freed_by_garbage_collection_during_a_request_break_nothing(pair):
+    """A tensor copy freed by the garbage collector (it sat in a reference cycle after its test
+    ended) is untracked by a finalizer, which runs at whatever allocation starts the collection,
+    also while a request walks the tracked copies for changes to send back: on the grader that
+    failed a correct submission's property test ("dictionary changed size during iteration").
+    Here the collection is made to start at each of the walk's first allocations in turn."""
+    import gc
+
+    judging, worker = pair
+    read = remote(judging, worker, lambda: torch.zeros(3))
+    threshold = gc.get_threshold()
+    try:
+        for offset in range(1, 12):
+            gc.collect()
+            gc.disable()
+            for _ in range(100):
+                cycle = [read()]
+                cycle.append(cycle)  # only the collector frees it
+            del cycle
+            judging.drop_copies()  # the test ends: only the cycles hold the copies now
+            gc.set_threshold(gc.get_count()[0] + offset)
+            gc.enable()
+            judging._dirty_tensors([])  # the walk a request makes
+            gc.set_threshold(*threshold)
+            gc.collect()
+            assert len(judging.tracked) == 0, offset
+    finally:
+        gc.set_threshold(*threshold)
+        gc.enable()
+
+
 def test_a_snapshot_reads_fields_and_properties_in_one_request_and_is_read_only(pair):
     from l2_paged import BlockAllocator
 
