@@ -10,8 +10,9 @@ import pytest
 
 from harness import hf_reference as hf
 from helpers import blocks_for, kjv_prompts, random_prompt
+from probes_l13 import engine_state, outputs, record_builds, step
 from l1_contiguous import InputError
-from l5_eviction import State, WorkItem, load_engine_model
+from l5_eviction import WorkItem, load_engine_model
 from l8_prefix import make_prefix_engine
 from l13_sliding_window import NULL_BLOCK, kv_cache_groups, load_hybrid_model, make_hybrid_engine
 
@@ -38,59 +39,58 @@ def hf_hybrid_ids(hybrid_model_dir, prompts):
     return [hf.hf_greedy(oracle, p, 50) for p in prompts]
 
 
-class CheckedBuild:
-    """Mixed into the engine's runner class: checks each forward's tables before the forward runs."""
-
-    def build_meta(self, reqs, num_new):
-        bs = self.alloc.block_size
-        for req, n in zip(reqs, num_new):
-            for group, table in zip(self.pool.groups, req.tables):
-                held = sum(b != NULL_BLOCK for b in table)
-                if group.is_sliding:
-                    bound = blocks_for(group.window - 1 + n, bs) + 1
-                    assert held <= bound, (f"request {req.request_id} computes {n} tokens from position "
-                                           f"{req.cur_len} holding {held} blocks in a window of {group.window}")
-        return super().build_meta(reqs, num_new)
+def check_builds(state: dict) -> None:
+    """During a step: no forward's sliding table holds more than the window bound for its new tokens."""
+    bs = state["block_size"]
+    for build in state["builds"]:
+        for window, held in zip(state["windows"], build["held"]):
+            if window is not None:
+                bound = blocks_for(window - 1 + build["new"], bs) + 1
+                assert held <= bound, (f"request {build['request']} computes {build['new']} tokens from position "
+                                       f"{build['cur_len']} holding {held} blocks in a window of {window}")
 
 
-def check_between_steps(engine) -> None:
+def check_between_steps(state: dict) -> None:
     """Each running request's tables are exactly what its next token needs; every block's
     reference count is the number of tables holding it; blocks add up."""
-    bs, alloc, owners = engine.alloc.block_size, engine.alloc, {}
-    for req in engine.requests.values():
-        if req.state is State.FINISHED or not req.tables:
-            assert req.state is not State.FINISHED or (not req.tables and not req.blocks), \
-                f"finished request {req.request_id} still holds blocks"
+    bs, owners = state["block_size"], {}
+    for req in state["requests"]:
+        if req["finished"] or not req["tables"]:
+            assert not req["finished"] or (not req["tables"] and not req["blocks"]), \
+                f"finished request {req['id']} still holds blocks"
             continue
-        for g, (group, table) in enumerate(zip(engine.pool.groups, req.tables)):
-            assert len(table) >= blocks_for(req.cur_len, bs), f"request {req.request_id}: group {g} lost entries"
+        for g, (window, table) in enumerate(zip(state["windows"], req["tables"])):
+            assert len(table) >= blocks_for(req["cur_len"], bs), f"request {req['id']}: group {g} lost entries"
             # The next token (position cur_len) reads cur_len - W + 1 .. cur_len: blocks wholly
             # before that are NULL_BLOCK, every other entry holds a block.
-            oldest = 0 if group.window is None else max(0, req.cur_len - group.window + 1)
+            oldest = 0 if window is None else max(0, req["cur_len"] - window + 1)
             for i, block in enumerate(table):
                 behind = (i + 1) * bs <= oldest
                 assert (block == NULL_BLOCK) == behind, \
-                    f"request {req.request_id} at {req.cur_len}, group {g} (window {group.window}): entry {i} is {block}"
+                    f"request {req['id']} at {req['cur_len']}, group {g} (window {window}): entry {i} is {block}"
                 if block != NULL_BLOCK:
                     holders = owners.setdefault(block, [])
                     assert not holders or holders[0][1] == g, f"block {block} is in groups {holders[0][1]} and {g}"
-                    holders.append((req.request_id, g))
+                    holders.append((req["id"], g))
     for block, holders in owners.items():
-        assert alloc.ref_count[block] == len(holders), f"block {block}: {alloc.ref_count[block]} references, held by {holders}"
-    assert alloc.num_used == len(owners), f"{alloc.num_used} blocks in use, {len(owners)} held by requests"
+        count = state["ref_count"].get(block, 0)
+        assert count == len(holders), f"block {block}: {count} references, held by {holders}"
+    assert state["num_used"] == len(owners), f"{state['num_used']} blocks in use, {len(owners)} held by requests"
 
 
 def run_checked(engine, items: list[WorkItem]) -> dict[int, list[int]]:
-    runner_cls = type(engine.runner)
-    if not isinstance(engine.runner, CheckedBuild):
-        engine.runner.__class__ = type(f"Checked{runner_cls.__name__}", (CheckedBuild, runner_cls), {})
+    """Runs `items` to the end, checking every forward (check_builds) and every step's end
+    (check_between_steps). The engine's state comes as data (probes_l13), one request a step."""
+    record_builds(engine)
     for item in items:
         engine.add_request(item)
-    while engine.has_unfinished():
-        engine.step()
-        check_between_steps(engine)
-    assert engine.alloc.num_free == engine.alloc.num_blocks, "blocks leaked"
-    return {i: r.output_ids for i, r in engine.requests.items()}
+    state = engine_state(engine)
+    while state["unfinished"]:
+        state = step(engine)
+        check_builds(state)
+        check_between_steps(state)
+    assert state["num_free"] == state["num_blocks"], "blocks leaked"
+    return outputs(engine)
 
 
 @pytest.mark.points(3)

@@ -91,7 +91,7 @@ MAX_SLOWDOWN = 8.0
 # process, as the unprivileged user, answering with plain data. The other lessons' tests still run
 # inside the worker (below), until their tests pass judged within the per-test limit (issue 36:
 # L11's server tests fail judged; the notebooks run in a kernel of their own).
-JUDGED_LESSONS = ("l1", "l2", "l3", "l5", "l8", "l10", "l12")
+JUDGED_LESSONS = ("l1", "l2", "l3", "l5", "l8", "l10", "l12", "l13")
 MAX_JUDGED_ROUNDS = 50  # a judged part restarted after a test its time limit stopped, at most this often
 # Only code that works against the grader needs these in a lesson package.
 SUSPICIOUS = {
