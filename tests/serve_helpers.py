@@ -6,6 +6,9 @@ import json
 import time
 
 from l5_eviction import State
+from probes_l11 import hold_until_queued  # noqa: F401  (runs in the engine's process)
+
+__all__ = ["hold_until_queued", "sse_chunks", "wait_idle", "assert_no_leak", "TIMEOUT_S"]
 
 TIMEOUT_S = 60  # every HTTP call in L11's tests gives up after this; no test waits longer
 
@@ -39,17 +42,3 @@ def assert_no_leak(loop) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.scheduler.swapped
     assert all(r.state is State.FINISHED for r in engine.requests.values())
     assert not loop.streams and loop.commands.empty()
-
-
-def hold_until_queued(loop, count: int, limit_s: float = 60.0) -> None:
-    """The engine thread takes no step until `count` requests are in the engine (or `limit_s` passes)."""
-    real_step, deadline, started = loop._step, time.monotonic() + limit_s, []
-
-    def step():
-        if started or len(loop.engine.requests) >= count or time.monotonic() > deadline:
-            started.append(True)
-            real_step()
-        else:
-            time.sleep(0.005)  # back to the loop, which applies the next add
-
-    loop._step = step

@@ -605,3 +605,19 @@ def test_setup_sh_makes_an_environment_without_system_packages_that_grades(bundl
             assert "FLAG for the instructor: l1_contiguous/__init__.py: atexit" in log
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_canary_never_run_is_a_forgery_sign_only_where_the_worker_writes_the_reports():
+    """In a worker's own pytest a missing canary after passed tests means its report was cut; a
+    judged part's reports come from the grader's pytest, and a canary is missing there when the
+    last round's worker died (its code killed it, say): not a forgery, and no reason to score 0."""
+    grade = load_script_at(ROOT / "instructor" / "autograder" / "grade.py")
+    first, last = "tests/test_a0.py::test_a0_matches", "tests/test_z0.py::test_z0_matches"
+    for judged in (False, True):
+        part = grade.Part("tests", ["tests/test_x.py"], judged=judged)
+        part.canaries, part.status = [first, last], 4
+        part.outcomes = {first: {"setup": "passed", "call": "failed"},
+                         "tests/test_x.py::test_one": {"setup": "passed", "call": "passed", "teardown": "passed"}}
+        assert part.forged() == ([] if judged else [last])
+        part.outcomes[last] = {"setup": "passed", "call": "passed"}
+        assert part.forged() == [last]  # reported passed: forged wherever the report came from

@@ -20,6 +20,7 @@ from helpers import hf_ids
 from l5_eviction import WorkItem, load_engine_model
 from l11_serve import Server, build_server, make_serve_engine
 from l11_serve.server import free_port
+from probes_l11 import slow_steps
 from serve_helpers import TIMEOUT_S, assert_no_leak, sse_chunks, wait_idle
 
 pytestmark = [pytest.mark.l11, pytest.mark.usefixtures("one_torch_thread")]
@@ -229,13 +230,7 @@ def check_a_waiting_request_left_is_never_decoded(embedded_model_dir) -> None:
     is slowed to 20 ms so that the wait is long enough to see on any machine.)"""
     app, loop, tok = build_server(embedded_model_dir, num_blocks=4, block_size=16, prefix_sharing=False)
     long_prompt, new = list(range(100, 149)), 15
-    real_step = loop._step
-
-    def slow_step():
-        time.sleep(0.02)
-        real_step()
-
-    loop._step = slow_step
+    slow_steps(loop, 0.02)
     with Server(app) as url:
         answers = []
         first = threading.Thread(target=lambda: answers.append(httpx.post(

@@ -3,9 +3,6 @@ of what the test sent and got back, and against the engine's own counters."""
 
 from __future__ import annotations
 
-import time
-from types import SimpleNamespace
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -13,7 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from l11_serve import Server, build_server
 from l11_serve.metrics import ServeMetrics
 from l5_eviction import State
-from serve_helpers import TIMEOUT_S, assert_no_leak, wait_idle, hold_until_queued
+from probes_l11 import admit, fake_engine, fake_request
+from serve_helpers import TIMEOUT_S, assert_no_leak, hold_until_queued, wait_idle
 
 pytestmark = [pytest.mark.l11, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -90,21 +88,6 @@ def test_gauges_show_a_running_request_and_preemptions_match_the_engine(embedded
     assert_no_leak(loop)
 
 
-def fake_engine(running=(), waiting=(), swapped=(), requests=None, sharing=True) -> SimpleNamespace:
-    """What observe_step reads of an engine, set by hand: a pool of 8 blocks, 3 used, 1 cached."""
-    return SimpleNamespace(
-        alloc=SimpleNamespace(num_blocks=8, num_used=3, num_free=5, cached_free={7: None}),
-        scheduler=SimpleNamespace(running=list(running), waiting=list(waiting), swapped=list(swapped)),
-        prefix=SimpleNamespace(prefill_tokens_total=0, prefix_hit_tokens=0),
-        preemptor=SimpleNamespace(counters=SimpleNamespace(preempted_recompute=0, preempted_swap=0)),
-        requests=requests or {}, sharing=sharing)
-
-
-def fake_request(group: int, sample: int = 0, reason: str | None = None) -> SimpleNamespace:
-    return SimpleNamespace(group=group, sample_index=sample, finish_reason=reason,
-                           state=State.FINISHED if reason else State.RUNNING)
-
-
 def sample(metrics: ServeMetrics, name: str, **labels) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
@@ -124,8 +107,7 @@ def check_observe_step(sharing: bool) -> None:
     m.observe_step(engine, {0: 1}, {0: 4.0}, now=10.0)  # r0's first token, 6 s after its arrival
     assert sample(m, "kvcourse_requests_running") == 1  # the running list only
     assert sample(m, "kvcourse_requests_waiting") == 2  # waiting and swapped: neither runs
-    engine.requests[1] = r1
-    engine.scheduler.running.append(r1)
+    admit(engine, 1, r1)
     m.observe_step(engine, {0: 1, 1: 1}, {0: 4.0}, now=11.0)  # r0's second token; the fork's first
     assert sample(m, "kvcourse_forks_total") == (1 if sharing else 0)  # a fork is one only with sharing on
     r0.state, r0.finish_reason = State.FINISHED, "length"

@@ -6,25 +6,18 @@ from __future__ import annotations
 import pytest
 
 from helpers import run_script_json
-from serve_helpers import hold_until_queued
+from probes_l11 import hold_the_first_loop_until_queued, release_loop_start
 
 pytestmark = [pytest.mark.l11, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.mark.points(2)
-def test_default_run_passes_over_http(capsys, monkeypatch):
-    from l11_serve.loop import EngineLoop
-
-    real_start, held = EngineLoop.start, []
-
-    def hold_the_first_step(self, *args, **kwargs):  # every loop the smoke script builds waits for 3
-        if not held:
-            hold_until_queued(self, 3)
-            held.append(self)
-        return real_start(self, *args, **kwargs)
-
-    monkeypatch.setattr(EngineLoop, "start", hold_the_first_step)
-    status, report, _ = run_script_json("l11_smoke", [], capsys)
+def test_default_run_passes_over_http(capsys):
+    hold_the_first_loop_until_queued(3)  # the loop the smoke script builds waits for its 3 requests
+    try:
+        status, report, _ = run_script_json("l11_smoke", [], capsys)
+    finally:
+        held = release_loop_start()
     assert status == 0 and report["match"] is True
     assert (report["lesson"], report["device"], report["dtype"]) == ("L11", "cpu", "float32")
     assert len(report["requests"]) == 3

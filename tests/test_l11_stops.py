@@ -8,6 +8,7 @@ import random
 import pytest
 
 from harness.smoke import load_tokenizer
+import probes_l11
 from l11_serve import StopMatcher
 
 pytestmark = pytest.mark.l11
@@ -20,7 +21,14 @@ PASSAGE = ("And God said, “Let there be light”: and there was light. And God
 
 @pytest.fixture(scope="module")
 def tok(embedded_model_dir):
+    """The tests' own tokenizer: what they expect is computed with it."""
     return load_tokenizer(embedded_model_dir)
+
+
+@pytest.fixture(scope="module")
+def matcher_tok(embedded_model_dir):
+    """The one StopMatcher reads (judged, in the worker beside it: probes_l11)."""
+    return probes_l11.load_tokenizer(embedded_model_dir)
 
 
 def feed_in_chunks(matcher: StopMatcher, ids: list[int], rng: random.Random) -> list[str]:
@@ -60,14 +68,14 @@ def boundary_stops(tok, ids: list[int], rng: random.Random) -> list[str]:
 
 
 @pytest.mark.points(2)
-def test_stop_strings_across_token_boundaries_cut_the_text_and_count_the_tokens(tok):
+def test_stop_strings_across_token_boundaries_cut_the_text_and_count_the_tokens(tok, matcher_tok):
     ids = tok.encode(PASSAGE, add_special_tokens=False)
     rng = random.Random(0)
     for trial in range(40):
         start = rng.randrange(0, len(ids) // 2)
         window = ids[start:start + rng.randint(12, 30)]
         stops = boundary_stops(tok, window, rng) if trial % 4 else ["light", "Night"]
-        matcher = StopMatcher(tok, stops)
+        matcher = StopMatcher(matcher_tok, stops)
         pieces = feed_in_chunks(matcher, window, rng)
         text, need = expected(tok, window, stops)
         if need is None:
@@ -79,9 +87,9 @@ def test_stop_strings_across_token_boundaries_cut_the_text_and_count_the_tokens(
 
 
 @pytest.mark.points(1)
-def test_text_that_may_begin_a_stop_string_is_held_back_until_decided(tok):
+def test_text_that_may_begin_a_stop_string_is_held_back_until_decided(tok, matcher_tok):
     ids = tok.encode("And God said, Let there be light", add_special_tokens=False)
-    matcher = StopMatcher(tok, ["Let there be darkness"])
+    matcher = StopMatcher(matcher_tok, ["Let there be darkness"])
     sent, held = "", 0
     for k, token in enumerate(ids):
         sent += matcher.feed([token])
@@ -96,10 +104,10 @@ def test_text_that_may_begin_a_stop_string_is_held_back_until_decided(tok):
 
 
 @pytest.mark.points(1)
-def test_half_a_character_is_never_sent(tok):
+def test_half_a_character_is_never_sent(tok, matcher_tok):
     text = "naïve — “quoted” café"
     ids = tok.encode(text, add_special_tokens=False)
-    matcher = StopMatcher(tok, ["”"])
+    matcher = StopMatcher(matcher_tok, ["”"])
     pieces = [matcher.feed([i]) for i in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == "naïve — “quoted" and matcher.stopped

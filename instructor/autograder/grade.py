@@ -88,10 +88,9 @@ CALIBRATION_REFERENCE_S = 0.11
 MAX_SLOWDOWN = 8.0
 # Lessons whose graded tests run judged (harness/judge.py): pytest, the tests and the HF oracle in
 # the grader's own process and a tree the worker cannot read; the student's code in a worker
-# process, as the unprivileged user, answering with plain data. The other lessons' tests still run
-# inside the worker (below), until their tests pass judged within the per-test limit (issue 36:
-# L11's server tests fail judged; the notebooks run in a kernel of their own).
-JUDGED_LESSONS = ("l1", "l2", "l3", "l5", "l8", "l10", "l12", "l13")
+# process, as the unprivileged user, answering with plain data. The notebooks still run inside the
+# worker (below): they run in a kernel of their own (issue 36).
+JUDGED_LESSONS = ("l1", "l2", "l3", "l5", "l8", "l10", "l11", "l12", "l13")
 MAX_JUDGED_ROUNDS = 50  # a judged part restarted after a test its time limit stopped, at most this often
 # Only code that works against the grader needs these in a lesson package.
 SUSPICIOUS = {
@@ -390,10 +389,14 @@ class Part:
         self.errors: dict[str, str] = {}
 
     def forged(self) -> list[str]:
-        """Canaries reported as anything but failed, when this part's report says a test passed."""
+        """Canaries reported as anything but failed, when this part's report says a test passed.
+        Judged, the reports come from the grader's own pytest, which no submission can reach: only a
+        canary reported passed counts there. One never run is not a sign (the last round's worker
+        may die before the last canary, e.g. a student's code that kills its process)."""
         anything_passed = any(status_of(p) == "passed" for n, p in self.outcomes.items() if n not in self.canaries)
+        missing_counts = anything_passed and self.status is not None and not self.judged
         return [c for c in self.canaries if status_of(self.outcomes.get(c, {})) == "passed"
-                or (anything_passed and self.status is not None and status_of(self.outcomes.get(c, {})) != "failed")]
+                or (missing_counts and status_of(self.outcomes.get(c, {})) != "failed")]
 
     def why_not_run(self, nodeid: str) -> str:
         module = nodeid.split("::")[0]
@@ -557,7 +560,9 @@ def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manife
                 part.outcomes.setdefault(nodeid, {}).setdefault(phase, outcome)
         for module, error in errors.items():
             part.errors.setdefault(module, error)
-        targets = [n for n in nodeids if n not in part.outcomes]
+        # Named by node id, a test of a file that failed to collect stops the whole pytest run
+        # (exit status 4, before any test): such files are not asked for again.
+        targets = [n for n in nodeids if n not in part.outcomes and n.split("::")[0] not in part.errors]
         if part.status is None or not targets or len(part.outcomes) == ran_before:
             break
     part.log = cap("\n".join(logs), 2 * LOG_CAP)
