@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import load_script, run_script_json
+from test_l3_kernel import needs_compiler
 
 pytestmark = [pytest.mark.l13, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -36,6 +37,15 @@ def test_a_small_pool_preempts_and_still_passes(capsys, mode):
                                                       "--prefill-chunk", "32", "--preempt", mode], capsys)
     assert status == 0 and report["match"] is True
     assert report[f"preempted_{mode}"] > 0 and report["all_blocks_free_at_end"]
+
+
+@pytest.mark.parametrize("backend", ["gather", pytest.param("emulated", marks=needs_compiler)])
+def test_sliding_decodes_equal_hf_on_every_cpu_backend(capsys, backend):
+    """The window start through the gather and through the CUDA kernel's own code (the default, cpu,
+    is the runs above; the kernel itself runs in scripts/gpu_checks.sh)."""
+    status, report, _ = run_script_json("l13_smoke", ["--max-new-tokens", "12", "--backend", backend], capsys)
+    assert status == 0 and report["match"] is True and report["backend"] == backend
+    assert report["decode_window_blocks_peak"] <= report["decode_window_block_bound"]
 
 
 def test_a_random_hybrid_folder_runs_as_it_is(capsys, make_model):
