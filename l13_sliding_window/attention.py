@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from l1_contiguous import attend
-from l3_block_kernel.paged_attention import paged_attention
 from l5_eviction import MixedBatchAttention, load_engine_model
 
 from .groups import kv_cache_groups
@@ -32,11 +31,7 @@ class GroupedAttention(MixedBatchAttention):
     def attend(self, q, k_all, v_all, meta):
         if meta.is_prefill:  # the gathered keys and their mask, window included, come from meta
             return attend(q, k_all, v_all, meta.attn_mask)
-        window_starts = getattr(meta, "window_starts", None)  # a sliding group's decode rows
-        if window_starts is None:
-            return super().attend(q, k_all, v_all, meta)
-        return paged_attention(q, k_all, v_all, meta.block_tables, meta.context_lens, backend=meta.backend,
-                               check_values=False, window_starts=window_starts)
+        return super().attend(q, k_all, v_all, meta)  # a sliding group's decodes carry window_starts
 
 
 def load_hybrid_model(model_dir: str | Path, dtype=torch.float32, device="cpu", packed_linears: bool = True):

@@ -16,7 +16,7 @@ one group sees it (that group's table as its blocks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,13 +39,6 @@ class GroupView:
     cur_len: int
     blocks: list[int]
     slot_indices: TableSlots
-
-
-@dataclass
-class WindowDecodeMeta(BlockForwardMeta):
-    """L3's decode metadata for a sliding group: row r reads positions [window_starts[r], context_lens[r])."""
-
-    window_starts: torch.Tensor | None = None  # [B] int32
 
 
 @dataclass
@@ -93,14 +86,14 @@ def build_sliding_meta(reqs: list[HybridRequest], num_new: list[int], g: int, wi
 
 
 def build_window_decode_meta(reqs: list[HybridRequest], g: int, window: int, block_size: int, device,
-                             backend: str) -> tuple[torch.Tensor, WindowDecodeMeta]:
+                             backend: str) -> tuple[torch.Tensor, BlockForwardMeta]:
     """One new token per request: L3's block tables of group g (NULL_BLOCK behind the window, never
-    read) and each token's window start, the oldest position it reads."""
+    read) and each token's window start, the oldest position it reads (`window_starts`)."""
     # L3's reference walks whole contexts only (it is the oracle there): windows take the gather.
     backend = "gather" if backend == "reference" else backend
     ids, meta = build_block_meta(group_views(reqs, g, block_size), [1] * len(reqs), device, backend)
     starts = [first_needed_position(window, r.cur_len) for r in reqs]
-    return ids, WindowDecodeMeta(**vars(meta), window_starts=torch.tensor(starts, dtype=torch.int32, device=device))
+    return ids, replace(meta, window_starts=torch.tensor(starts, dtype=torch.int32, device=device))
 
 
 def build_window_meta(reqs: list[HybridRequest], num_new: list[int], g: int, window: int, block_size: int,

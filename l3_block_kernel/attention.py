@@ -28,4 +28,4 @@ class BlockTableAttention(PagedAttention):
         # The tables were built on the host from allocator-owned blocks: skip the per-layer value
         # check, which on CUDA would copy them back to the host (a sync) in every layer.
         return paged_attention(q, k_all, v_all, meta.block_tables, meta.context_lens,
-                               backend=meta.backend, check_values=False)
+                               backend=meta.backend, check_values=False, window_starts=meta.window_starts)

@@ -21,6 +21,7 @@ class BlockForwardMeta(ForwardMeta):
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (decode only)
     context_lens: torch.Tensor | None = None  # [B] int32: keys each request reads, new token included
     backend: str = "auto"  # paged attention: "kernel", "reference" or "auto"
+    window_starts: torch.Tensor | None = None  # [B] int32, decode only: L13's sliding layers read from here
 
 
 def build_block_meta(reqs: list[Request], num_new: list[int], device, backend: str = "auto"):

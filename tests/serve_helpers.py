@@ -6,9 +6,6 @@ import json
 import time
 
 from l5_eviction import State
-from probes_l11 import hold_until_queued  # noqa: F401  (runs in the engine's process)
-
-__all__ = ["hold_until_queued", "sse_chunks", "wait_idle", "assert_no_leak", "TIMEOUT_S"]
 
 TIMEOUT_S = 60  # every HTTP call in L11's tests gives up after this; no test waits longer
 

@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from l11_serve import Server, build_server
 from l11_serve.metrics import ServeMetrics
 from l5_eviction import State
-from probes_l11 import admit, fake_engine, fake_request
-from serve_helpers import TIMEOUT_S, assert_no_leak, hold_until_queued, wait_idle
+from probes_l11 import admit, fake_engine, fake_request, hold_until_queued
+from serve_helpers import TIMEOUT_S, assert_no_leak, wait_idle
 
 pytestmark = [pytest.mark.l11, pytest.mark.usefixtures("one_torch_thread")]
 
