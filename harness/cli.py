@@ -17,6 +17,30 @@ from contextlib import contextmanager
 from typing import Callable
 
 
+_interrupt_received = False
+
+
+def _raise_interrupt(signum, frame) -> None:
+    """SIGINT/SIGTERM: remember it, then raise KeyboardInterrupt as Python's own handler does.
+    Remembering matters because C code can swallow the KeyboardInterrupt and raise its own error
+    instead (torch building a tensor inside safetensors' loader says "could not determine the
+    shape of object type ..."): after a Ctrl-C, that error is the Ctrl-C, not a corrupt file."""
+    global _interrupt_received
+    _interrupt_received = True
+    raise KeyboardInterrupt
+
+
+def watch_interrupts() -> None:
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt, and `interrupt_received()` says one came."""
+    signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def interrupt_received() -> bool:
+    """Whether a Ctrl-C or SIGTERM arrived since `watch_interrupts()`."""
+    return _interrupt_received
+
+
 def _exit_interrupted(signum, frame) -> None:
     print("error: interrupted (Ctrl-C) while starting; nothing was run", file=sys.stderr, flush=True)
     os._exit(2)
@@ -91,8 +115,7 @@ def run_main(main: Callable[[], int | None], what: str = "nothing was written") 
     line and 2; a full disk or a permission problem one line and 2; a closed stdout quietly;
     any other exception its traceback and 3 (a bug)."""
     sane_streams()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    watch_interrupts()
     try:
         status = main()
         sys.stdout.flush()
@@ -115,7 +138,10 @@ def run_main(main: Callable[[], int | None], what: str = "nothing was written") 
 
 def _internal_error(exc: BaseException, what: str) -> int:
     """A bug: its traceback and 3. Unless a Ctrl-C caused it: Python wraps a KeyboardInterrupt
-    raised inside some hooks (a class body's `__set_name__` during torch's import) in a RuntimeError."""
+    raised inside some hooks (a class body's `__set_name__` during torch's import) in a RuntimeError,
+    and C code can swallow it and raise an error of its own (`interrupt_received`)."""
+    if _interrupt_received:
+        exit_interrupted(f"interrupted (Ctrl-C); {what}")
     cause, seen = exc, set()
     while cause is not None and id(cause) not in seen:  # a chain can loop back on itself
         if isinstance(cause, KeyboardInterrupt):

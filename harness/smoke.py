@@ -14,7 +14,6 @@ import errno
 import json
 import os
 import re
-import signal
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from l1_contiguous.errors import ModelLoadError
 from l1_contiguous.config import Qwen3Config
 
 from . import compare
-from .cli import sane_streams, say_error
+from .cli import interrupt_received, sane_streams, say_error, watch_interrupts
 from . import hf_reference as hf
 from .forcing import ForcedPaths, forcing
 
@@ -249,7 +248,7 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
     report. Returns the exit status. `teacher_force` reruns the lesson along HF's ids when a
     low-precision run diverges (default: `rerun_forced(run)`)."""
     sane_streams()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill cleans up (a compiler, a temp file) like Ctrl-C
+    watch_interrupts()  # a kill cleans up (a compiler, a temp file) like Ctrl-C
     parser = make_parser(lesson, description)
     if add_options:
         add_options(parser)
@@ -286,10 +285,11 @@ def _failure_status(exc: BaseException) -> int:
     """One line and exit 2 for bad input or the environment; a traceback and 3 for a bug."""
     if isinstance(exc, SystemExit):  # argparse's errors (already one line) and --help
         return exc.code if isinstance(exc.code, int) else 2
-    if isinstance(exc, InputError):
-        message = str(exc)
-    elif isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, KeyboardInterrupt) or (isinstance(exc, Exception) and interrupt_received()):
+        # after a Ctrl-C, C code may have swallowed it and raised its own error ("not a readable file")
         message = "interrupted (Ctrl-C) before the comparison finished; nothing was written"
+    elif isinstance(exc, InputError):
+        message = str(exc)
     elif isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or _is_failed_allocation(exc):
         message = "out of memory; lower --num-blocks / --kv-memory / --cache-len or use a smaller model"
     elif isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS:

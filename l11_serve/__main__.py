@@ -9,7 +9,7 @@ import socket
 import sys
 import traceback
 
-from harness.cli import exit_interrupted, sane_streams, say_error, starting
+from harness.cli import exit_interrupted, interrupt_received, sane_streams, say_error, starting, watch_interrupts
 
 with starting():  # Ctrl-C while torch and the model's code load: one line, exit 2
     import uvicorn
@@ -34,6 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     args = p.parse_args(argv)
     sane_streams()
+    watch_interrupts()
     try:
         if (args.max_waiting is not None and args.max_waiting < 1) or args.block_size < 1:
             raise InputError("--max-waiting and --block-size must be at least 1")
@@ -43,12 +44,14 @@ def main(argv=None) -> int:
         device, dtype = resolve_device(args.device, args.dtype)
         app, loop, _ = build_server(args.model, args.num_blocks, args.block_size, device, dtype, args.max_waiting,
                                  prefix_sharing=args.prefix_sharing == "on")
-    except InputError as exc:
-        say_error(str(exc))
-        return 2
     except KeyboardInterrupt:
         exit_interrupted("interrupted (Ctrl-C) while building the server; nothing was served")
-    except Exception:
+    except Exception as exc:
+        if interrupt_received():  # C code turned the Ctrl-C into an error of its own
+            exit_interrupted("interrupted (Ctrl-C) while building the server; nothing was served")
+        if isinstance(exc, InputError):
+            say_error(str(exc))
+            return 2
         traceback.print_exc()
         print("internal error while building the server (a bug, not your input)", file=sys.stderr)
         return 3

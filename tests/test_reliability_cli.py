@@ -266,6 +266,34 @@ def test_ctrl_c_through_exec_built_code_still_exits_2(tmp_path):
     assert done.stderr.strip().splitlines() == ["error: interrupted (Ctrl-C); nothing was written"]
 
 
+SWALLOWING_MAIN = (
+    "def main(*_):\n"
+    "    try:\n"
+    "        os.kill(os.getpid(), signal.SIGINT)\n"
+    "        time.sleep(30)\n"
+    "    except KeyboardInterrupt:\n"
+    "        pass\n"
+    "    raise %s(\"could not determine the shape of object type 'torch.storage.UntypedStorage'\")\n")
+
+
+@pytest.mark.parametrize("entry", ["run_main", "run_smoke"])
+@pytest.mark.parametrize("raised", ["ValueError", "ModelLoadError"])
+def test_an_error_that_c_code_raised_in_place_of_a_ctrl_c_is_still_the_ctrl_c(entry, raised):
+    """Seen in CI: a SIGINT while safetensors built a tensor came back as torch's "could not determine
+    the shape" with no KeyboardInterrupt in its chain, then as "not a readable safetensors file;
+    re-download it". After a Ctrl-C, whatever error follows is the Ctrl-C: one line, exit 2."""
+    call = ("sys.exit(run_main(main))" if entry == "run_main"
+            else "sys.exit(run_smoke('L1', 'x', main, argv=['--model', %r]))" % str(ROOT / "assets" / "tiny-qwen3-kjv"))
+    code = ("import os, signal, sys, time\nsys.path.insert(0, %r)\nfrom harness.cli import run_main\n"
+            "from harness.smoke import run_smoke\nfrom l1_contiguous.errors import ModelLoadError\n" % str(ROOT)
+            + SWALLOWING_MAIN % raised + call + "\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert done.returncode == 2, (done.returncode, done.stderr[-1500:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted (Ctrl-C)"), done.stderr[-1500:]
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_smoke_script_imports_torch_and_the_lessons_under_the_guard(script):
     tree = ast.parse((ROOT / "scripts" / f"{script}.py").read_text())
