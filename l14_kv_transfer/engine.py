@@ -1,0 +1,134 @@
+"""L8's engine with a connector: prefix hits the device pool lost are loaded, not recomputed.
+
+Admission: L8 shares the device's cached run of full blocks; then the connector is asked how many
+  more prompt tokens it holds (the run continues from there), the request's cur_len counts them,
+  blocks are reserved for them as for computed ones, and the load is promised.
+A step: the connector's metadata for the plan; loads into the promised blocks; the forward; the
+  saves. The loads write only into blocks the request was handed this step, and the saves only
+  copy out, so L5's rollback rule (the pool is not saved) still holds.
+Finish: a connector may keep a finished request's blocks (a send in flight) until it reports the
+  request done; only then are they freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from l1_contiguous import InputError
+from l2_paged import release
+from l5_eviction import make_engine
+from l5_eviction.lifecycle import State
+from l8_prefix import PrefixBlockAllocator, PrefixEngine, PrefixRequest, PrefixScheduler
+
+from .connector import MODES, KvConnector, OffloadConnector
+from .tiers import CpuTier, FileTier, TieredStore
+
+
+@dataclass
+class OffloadRequest(PrefixRequest):
+    external_tokens: int = 0  # tokens the connector promised at this admission
+
+
+class OffloadBlockAllocator(PrefixBlockAllocator):
+    """L8's allocator that tells a listener which cached block it is about to reuse (write-back)."""
+
+    on_evict = None  # callable(block, key), set by the engine
+
+    def _evict_lru(self) -> None:
+        block = next(iter(self.cached_free))
+        if self.on_evict is not None:
+            self.on_evict(block, self.key_of[block])  # its K/V is still intact: nothing wrote it yet
+        super()._evict_lru()
+
+
+class OffloadScheduler(PrefixScheduler):
+    def __init__(self, *args, connector: KvConnector, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.connector = connector
+
+    def _attach_cached_prefix(self, req: OffloadRequest) -> int:
+        hits = super()._attach_cached_prefix(req)
+        req.external_tokens = self.connector.get_num_new_matched_tokens(req, hits)
+        req.cur_len += req.external_tokens  # reserve() then gives them blocks like computed ones
+        return hits + req.external_tokens
+
+    def _try_admit(self, req: OffloadRequest, budget: list) -> int:
+        req.external_tokens = 0
+        n = super()._try_admit(req, budget)
+        if n and req.external_tokens:
+            self.connector.update_state_after_alloc(req, req.external_tokens)
+        return n
+
+
+class OffloadEngine(PrefixEngine):
+    request_cls = OffloadRequest
+    allocator_cls = OffloadBlockAllocator
+    scheduler_cls = OffloadScheduler
+
+    def __init__(self, model, pool, alloc, connector: KvConnector | None = None, **kwargs):
+        self.connector = connector or KvConnector()
+        if not kwargs.get("prefix_sharing", True) and not type(self.connector) is KvConnector:
+            raise InputError("a connector finds blocks by their prefix keys: turn prefix sharing on")
+        self.delayed: dict[int, OffloadRequest] = {}  # finished, blocks kept for the connector
+        super().__init__(model, pool, alloc, **kwargs)
+        alloc.on_evict = lambda block, key: self.connector.on_device_evict(block, key, self.pool)
+
+    def _make_scheduler(self, policy, prefill_chunk, watermark_blocks):
+        return self.scheduler_cls(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks,
+                                  pool=self.pool, sharing=self.sharing, counters=self.prefix,
+                                  max_prefix_hold=self.max_prefix_hold, connector=self.connector)
+
+    def step(self):
+        record = super().step()
+        self.release_finished()
+        return record
+
+    def _run(self, plan):
+        meta = self.connector.build_connector_meta(plan)
+        self.connector.start_load_kv(meta, self.pool)
+        tokens = super()._run(plan)
+        self.connector.wait_for_save(meta, self.pool)
+        return tokens
+
+    def _finish(self, req: OffloadRequest, reason: str) -> None:
+        if reason in ("aborted", "error") or not self.connector.request_finished(req):
+            return super()._finish(req, reason)
+        self.scheduler.remove(req)  # its blocks stay until the connector says they may go
+        req.state, req.finish_reason = State.FINISHED, reason
+        self.delayed[req.request_id] = req
+
+    def release_finished(self) -> list[int]:
+        """Free the blocks of delayed requests the connector reports done; their ids."""
+        done = [rid for rid in self.connector.get_finished() if rid in self.delayed]
+        for rid in done:
+            release(self.delayed.pop(rid), self.alloc)
+        return done
+
+    def _stateful(self) -> list:
+        return [*super()._stateful(), self.connector, self.connector.counters]
+
+    def summary(self) -> dict:
+        out = {**super().summary(), **vars(self.connector.counters)}
+        store = getattr(self.connector, "store", None)
+        if store is not None:
+            out.update(store.counters())
+        return out
+
+
+def make_store(cpu_blocks: int, file_blocks: int = 0, folder=None, pin: bool = False) -> TieredStore:
+    """A CPU tier of `cpu_blocks`, then (if `file_blocks`) a file tier in `folder`."""
+    tiers = [CpuTier(cpu_blocks, pin=pin)]
+    if file_blocks:
+        if folder is None:
+            raise InputError("a file tier needs a folder")
+        tiers.append(FileTier(file_blocks, folder))
+    return TieredStore(tiers)
+
+
+def make_offload_engine(model, num_blocks: int, block_size: int = 16, store: TieredStore | None = None,
+                        mode: str = "write-through", **kwargs) -> OffloadEngine:
+    """L8's engine over a pool of `num_blocks`, with `store` behind it (None: no tier at all)."""
+    if mode not in MODES:
+        raise InputError(f"unknown offload mode {mode!r}; choose {' or '.join(MODES)}")
+    connector = OffloadConnector(store, block_size, mode) if store is not None else None
+    return make_engine(model, num_blocks, block_size, engine_cls=OffloadEngine, connector=connector, **kwargs)

@@ -1,0 +1,395 @@
+"""Prefill and decode in two processes: rank 0 prefills, rank 1 decodes, blocks move between pools.
+
+Per request, over torch.distributed point-to-point (gloo; every message is matched by tag):
+
+    rank 0 (prefill)                                rank 1 (decode)
+    prefill, sample the first token
+    header [kind, index, prompt_len, first token, ──► plan_receive: the leading blocks it already
+      blocks, full blocks, finished, max_new]          holds by key (shared), fresh ones for the
+    prompt ids, keys of the full blocks          ──►   rest (or -1: it can never fit)
+                                                 ◄── how many leading blocks it holds
+    K/V of the blocks it lacks (one tensor)      ──► written into its own fresh block ids,
+    its blocks freed (cached for later prompts)        keys registered, the request decodes
+    ...
+    header with kind END                         ──► nothing more will come
+
+Every gloo call on the decode side runs on one receiver thread, so the engine keeps decoding while a
+transfer is in flight; the main loop gives each transfer a deadline. A transfer that misses it ends
+its request with an error and frees its blocks (a late payload lands in a buffer nobody reads: its
+tag is its own); a prefill rank that dies closes the connection, and every request it still owed
+ends with an error while the ones already received finish.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from l2_paged import OutOfBlocksError
+from l5_eviction import WorkItem
+from l5_eviction.lifecycle import State
+from l8_prefix import chain_keys
+
+from .connector import KvConnector, read_block, write_block
+from .tiers import KEY_BYTES
+
+PREFILL_RANK, DECODE_RANK = 0, 1
+HEADER, REPLY, PAYLOAD_BASE = 0, 1, 100  # tags; a payload's tag is PAYLOAD_BASE + the request's index
+KIND_END, KIND_REQUEST = 0, 1
+HEADER_LEN = 8
+REFUSED = -1  # the decode side's reply when the request can never fit its pool
+
+
+@dataclass
+class Header:
+    index: int
+    prompt_ids: list[int]
+    first_token: int
+    num_blocks: int  # blocks holding the prompt's K/V, the partial last one included
+    keys: list[bytes]  # keys of its full blocks
+    finished: bool  # the first token ended it (eos, or max_new_tokens 1): no K/V to send
+    max_new_tokens: int
+
+
+def init_group(transfer_timeout_s: float) -> None:
+    """Join the two-process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_*). A gloo
+    call gives up after 4 transfer timeouts: the decode side's own deadlines come first."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4 * transfer_timeout_s))
+
+
+# ---------------------------------------------------------------- the wire
+
+def send_header(h: Header, peer: int) -> None:
+    dist.send(torch.tensor([KIND_REQUEST, h.index, len(h.prompt_ids), h.first_token, h.num_blocks, len(h.keys),
+                            int(h.finished), h.max_new_tokens], dtype=torch.int64), peer, tag=HEADER)
+    dist.send(torch.tensor(h.prompt_ids, dtype=torch.int64), peer, tag=HEADER)
+    if h.keys:
+        dist.send(torch.frombuffer(bytearray(b"".join(h.keys)), dtype=torch.uint8), peer, tag=HEADER)
+
+
+def send_end(peer: int) -> None:
+    dist.send(torch.zeros(HEADER_LEN, dtype=torch.int64), peer, tag=HEADER)
+
+
+def recv_header(peer: int) -> Header | None:
+    """The next header, or None at the end of the stream."""
+    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    dist.recv(head, peer, tag=HEADER)
+    kind, index, prompt_len, first, num_blocks, num_keys, finished, max_new = head.tolist()
+    if kind == KIND_END:
+        return None
+    ids = torch.zeros(prompt_len, dtype=torch.int64)
+    dist.recv(ids, peer, tag=HEADER)
+    keys = []
+    if num_keys:
+        raw = torch.zeros(num_keys * KEY_BYTES, dtype=torch.uint8)
+        dist.recv(raw, peer, tag=HEADER)
+        data = raw.numpy().tobytes()
+        keys = [data[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(num_keys)]
+    return Header(index, ids.tolist(), first, num_blocks, keys, bool(finished), max_new)
+
+
+def pack_blocks(pool, blocks: list[int]) -> torch.Tensor:
+    """The K/V of `blocks` as one byte tensor: [n, 2, num_layers, block_size, H_kv, D] in the
+    pool's dtype, seen as uint8 (gloo moves bytes; bf16 included)."""
+    if not blocks:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.stack([read_block(pool, b) for b in blocks]).cpu().contiguous().view(torch.uint8).flatten()
+
+
+def unpack_blocks(pool, payload: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Inverse of pack_blocks: [n, 2, num_layers, block_size, H_kv, D] in the pool's dtype."""
+    k = pool.k_blocks[0]
+    shape = (num_blocks, 2, len(pool.k_blocks), *k.shape[1:])
+    return payload.view(k.dtype).view(shape)
+
+
+# ---------------------------------------------------------------- rank 0: prefill and send
+
+class PdSendConnector(KvConnector):
+    """Prefill side: a finished request's blocks are kept (`request_finished` says so) until they
+    have been sent; `get_finished` sends what is queued and names the requests whose blocks may go."""
+
+    def __init__(self, pool, block_size: int, max_new_of: dict[int, int], peer: int = DECODE_RANK,
+                 stall: dict[int, float] | None = None, on_sent=None):
+        super().__init__()
+        self.pool, self.block_size, self.max_new_of, self.peer = pool, block_size, max_new_of, peer
+        self.stall = stall or {}  # request index -> seconds to wait before its K/V (a fault to inject)
+        self.on_sent = on_sent  # callable(index, blocks sent, bytes sent), e.g. to print progress
+        self.queued: list = []
+        self.blocks_sent = self.bytes_sent = self.blocks_skipped = 0
+        self.send_seconds = 0.0
+
+    def request_finished(self, req) -> bool:
+        self.queued.append(req)
+        return True
+
+    def get_finished(self) -> set[int]:
+        done = set()
+        while self.queued:
+            req = self.queued.pop(0)
+            self.send(req)
+            done.add(req.request_id)
+        return done
+
+    def send(self, req) -> None:
+        start = time.perf_counter()
+        first = req.output_ids[0]
+        finished = req.finish_reason in ("eos", "stop") or self.max_new_of[req.request_id] == 1
+        keys = chain_keys(req.prompt_ids, self.block_size)
+        header = Header(req.request_id, req.prompt_ids, first, len(req.blocks), keys, finished,
+                        self.max_new_of[req.request_id])
+        send_header(header, self.peer)
+        if not finished:
+            reply = torch.zeros(1, dtype=torch.int64)
+            dist.recv(reply, self.peer, tag=REPLY)
+            held = int(reply)
+            if held != REFUSED:
+                missing = req.blocks[held:]
+                payload = pack_blocks(self.pool, missing)
+                time.sleep(self.stall.get(req.request_id, 0))
+                dist.send(payload, self.peer, tag=PAYLOAD_BASE + req.request_id)
+                self.blocks_sent += len(missing)
+                self.blocks_skipped += held
+                self.bytes_sent += payload.numel()
+        self.send_seconds += time.perf_counter() - start
+        if self.on_sent is not None:
+            self.on_sent(req.request_id, header.num_blocks, self.bytes_sent)
+
+
+def prefill_items(items: list[WorkItem]) -> list[WorkItem]:
+    """What the prefill rank runs: each prompt for its first token only."""
+    return [WorkItem(list(w.prompt_ids), 1, w.arrival_step, w.priority, tuple(w.stop_token_ids)) for w in items]
+
+
+def run_prefill_rank(engine, items: list[WorkItem]) -> dict:
+    """Prefill every item on `engine` (an OffloadEngine whose connector is a PdSendConnector),
+    sending each as it finishes; then the end of the stream. Figures for the report."""
+    for item in prefill_items(items):
+        engine.add_request(item)
+    while engine.has_unfinished() or engine.delayed:
+        engine._skip_idle_steps()
+        engine.step()
+    connector = engine.connector
+    send_end(connector.peer)
+    return {"blocks_sent": connector.blocks_sent, "blocks_not_sent_already_held": connector.blocks_skipped,
+            "bytes_sent": connector.bytes_sent, "send_seconds": round(connector.send_seconds, 4),
+            "prefill_tokens_computed": engine.summary()["prefill_tokens_computed"]}
+
+
+# ---------------------------------------------------------------- rank 1: receive and decode
+
+def plan_receive(alloc, keys: list[bytes], num_blocks: int) -> tuple[list[int], list[int]]:
+    """Blocks for a request arriving with `num_blocks` blocks, the first len(keys) of them full and
+    named by `keys`: (held, fresh). `held` is the longest leading run this pool already holds by key
+    (each now referenced once more); `fresh` are new blocks for the rest, which will be received.
+    All or nothing: OutOfBlocksError leaves the allocator as it was."""
+    # BEGIN SOLUTION
+    held = alloc.lookup(keys)[:num_blocks]
+    alloc.acquire(held)
+    try:
+        fresh = alloc.alloc_blocks(num_blocks - len(held))
+    except OutOfBlocksError:
+        alloc.free(held)
+        raise
+    return held, fresh
+    # END SOLUTION
+
+
+def adopt(engine, header: Header, blocks: list[int]):
+    """Make a request of `engine` that continues where the prefill rank stopped: its prompt's K/V in
+    `blocks` (this pool's ids, in order), its first token already sampled, running, nothing to
+    prefill. The full blocks are registered under `header.keys` so later requests share them."""
+    # BEGIN SOLUTION
+    bs = engine.alloc.block_size
+    req = engine._new_request(WorkItem(header.prompt_ids, header.max_new_tokens, engine.now))
+    req.blocks = list(blocks)
+    req.slot_indices = [b * bs + i for b in blocks for i in range(bs)]
+    req.cur_len = len(header.prompt_ids)
+    req.output_ids = [header.first_token]
+    for block, key in zip(blocks, header.keys):
+        engine.alloc.register(block, key)
+    req.block_keys = list(header.keys)
+    req.prompt_keys = list(header.keys)
+    req.state = State.RUNNING
+    engine.requests[req.request_id] = req
+    engine.scheduler.running.append(req)
+    engine.prefix.prefill_tokens_total += req.cur_len
+    engine.prefix.prefix_hit_tokens += req.cur_len  # none of it computed here
+    engine._maybe_finish(req)
+    return req
+    # END SOLUTION
+
+
+@dataclass
+class DecodeOutcome:
+    index: int
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class DecodeRank:
+    """The decode side's main loop around an engine; see the module's docstring."""
+
+    def __init__(self, engine, num_expected: int, transfer_timeout_s: float = 30.0, peer: int = PREFILL_RANK):
+        self.engine, self.peer, self.timeout = engine, peer, transfer_timeout_s
+        self.outcomes = {i: DecodeOutcome(i) for i in range(num_expected)}
+        self.requests: dict[int, object] = {}  # index -> engine request
+        self.inbox: queue.Queue = queue.Queue()  # from the receiver thread
+        self.decisions: queue.Queue = queue.Queue()  # to it: blocks to receive, or REFUSED
+        self.pending: dict[int, tuple[float, Header, list[int], list[int]]] = {}  # index -> deadline, ...
+        self.backlog: list[Header] = []  # headers waiting for room in the pool
+        self.stream_over = False
+        self.lost = False
+        self.blocks_received = self.bytes_received = self.blocks_already_held = 0
+        self.transfer_seconds: list[float] = []
+
+    # the receiver thread: every gloo call of this rank
+    def _receive(self) -> None:
+        try:
+            while True:
+                header = recv_header(self.peer)
+                self.inbox.put(("header", header))
+                if header is None:
+                    return
+                if header.finished:
+                    continue
+                held = self.decisions.get()
+                dist.send(torch.tensor([held], dtype=torch.int64), self.peer, tag=REPLY)
+                if held == REFUSED:
+                    continue
+                n = header.num_blocks - held
+                block_bytes = self.engine.pool.bytes_per_block(self.engine.model.config, self.engine.alloc.block_size,
+                                                               self.engine.model.dtype)
+                payload = torch.zeros(n * block_bytes, dtype=torch.uint8)
+                if n:
+                    dist.recv(payload, self.peer, tag=PAYLOAD_BASE + header.index)
+                self.inbox.put(("payload", header.index, payload))
+        except Exception as exc:  # the prefill rank is gone (connection closed) or silent past the timeout
+            self.inbox.put(("lost", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+
+    def run(self) -> dict[int, DecodeOutcome]:
+        threading.Thread(target=self._receive, daemon=True).start()
+        last_heard = time.monotonic()
+        while True:
+            try:
+                message = self.inbox.get(timeout=0 if self._busy() else 0.01)
+                last_heard = time.monotonic()
+                self._handle(message)
+                continue
+            except queue.Empty:
+                pass
+            self._admit_backlog()
+            self._expire(time.monotonic())
+            if self.engine.scheduler.running or self.engine.scheduler.waiting:
+                self.engine.step()
+                self._collect()
+            elif self.stream_over and not self.pending and not self.backlog:
+                break
+            elif not self.stream_over and time.monotonic() - last_heard > self.timeout:
+                self._lose(f"no message from the prefill rank in {self.timeout:g} s")
+        self._collect()
+        for outcome in self.outcomes.values():
+            if outcome.finish_reason is None:
+                outcome.finish_reason, outcome.error = "error", "the prefill rank never sent it"
+        return self.outcomes
+
+    def _busy(self) -> bool:
+        return bool(self.engine.scheduler.running)
+
+    def _handle(self, message) -> None:
+        kind = message[0]
+        if kind == "header":
+            header = message[1]
+            if header is None:
+                self.stream_over = True
+            elif self.lost:  # given up on already: its outcome stays an error
+                if not header.finished:
+                    self.decisions.put(REFUSED)
+            elif header.finished:
+                self.outcomes[header.index] = DecodeOutcome(header.index, [header.first_token], "length")
+            else:
+                self.backlog.append(header)
+                self._admit_backlog()
+        elif kind == "payload":
+            self._install(message[1], message[2])
+        else:
+            self._lose(f"lost the prefill rank ({message[1]})")
+
+    def _admit_backlog(self) -> None:
+        """Reply to the oldest header once its blocks fit (the prefill rank waits for the reply)."""
+        while self.backlog:
+            header = self.backlog[0]
+            alloc = self.engine.alloc
+            own_keys = chain_keys(header.prompt_ids, alloc.block_size)
+            if own_keys != header.keys:
+                self._refuse(header, "the prefill rank's block keys differ from ours (same block size on both?)")
+                continue
+            if header.num_blocks > alloc.num_blocks:
+                self._refuse(header, f"{header.num_blocks} blocks can never fit a pool of {alloc.num_blocks}")
+                continue
+            try:
+                held, fresh = plan_receive(alloc, header.keys, header.num_blocks)
+            except OutOfBlocksError:
+                return  # wait for running requests to free blocks
+            self.backlog.pop(0)
+            self.pending[header.index] = (time.monotonic() + self.timeout, header, held, fresh)
+            self.blocks_already_held += len(held)
+            self.decisions.put(len(held))
+
+    def _refuse(self, header: Header, why: str) -> None:
+        self.backlog.pop(0)
+        self.outcomes[header.index] = DecodeOutcome(header.index, [], "error", why)
+        self.decisions.put(REFUSED)
+
+    def _install(self, index: int, payload: torch.Tensor) -> None:
+        entry = self.pending.pop(index, None)
+        if entry is None:
+            return  # it timed out meanwhile: its blocks are gone, and so is its request
+        deadline, header, held, fresh = entry
+        kv = unpack_blocks(self.engine.pool, payload, len(fresh))
+        for row, block in enumerate(fresh):
+            write_block(self.engine.pool, block, kv[row])
+        self.blocks_received += len(fresh)
+        self.bytes_received += payload.numel()
+        self.transfer_seconds.append(self.timeout - (deadline - time.monotonic()))
+        self.requests[index] = adopt(self.engine, header, held + fresh)
+
+    def _expire(self, now: float) -> None:
+        for index, (deadline, header, held, fresh) in list(self.pending.items()):
+            if now > deadline:
+                del self.pending[index]
+                self.engine.alloc.free(held + fresh)
+                self.outcomes[index] = DecodeOutcome(index, [], "error",
+                                                     f"transfer timed out after {self.timeout:g} s")
+
+    def _lose(self, why: str) -> None:
+        """The prefill rank is gone: whatever it still owed ends with an error, blocks freed."""
+        self.stream_over = self.lost = True
+        for index, (_, _, held, fresh) in list(self.pending.items()):
+            self.engine.alloc.free(held + fresh)
+            del self.pending[index]
+        self.backlog.clear()
+        for index, outcome in self.outcomes.items():
+            if index not in self.requests and outcome.finish_reason is None:
+                outcome.finish_reason, outcome.error = "error", why
+
+    def _collect(self) -> None:
+        for index, req in self.requests.items():
+            if req.state is State.FINISHED:
+                out = self.outcomes[index]
+                out.output_ids, out.finish_reason, out.error = list(req.output_ids), req.finish_reason, req.error
+
+    def figures(self) -> dict:
+        s = self.engine.summary()
+        return {"blocks_received": self.blocks_received, "bytes_received": self.bytes_received,
+                "blocks_already_held": self.blocks_already_held,
+                "decode_prefill_tokens_computed": s["prefill_tokens_computed"] + s["tokens_recomputed"],
+                "errors": sum(o.finish_reason == "error" for o in self.outcomes.values())}

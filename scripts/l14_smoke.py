@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""L14 smoke test. Alone: conversations come back for a second turn after other traffic has pushed
+their blocks out of a small pool; with a tier behind the pool (CPU memory, then files) their first
+turn's blocks are loaded instead of recomputed. Under `torchrun --nproc-per-node 2`: rank 0 prefills
+L8's shared-system-prompt workload and sends each request's blocks to rank 1, which decodes them
+in its own pool. Either way every request's ids must equal HF's, and every block must be free (or
+cached free) at the end."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # l8_smoke: the two-process form runs its workload
+
+from harness.cli import starting  # noqa: E402
+
+with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
+    import l8_smoke  # noqa: E402
+    from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
+    from l1_contiguous import InputError  # noqa: E402
+    from l2_paged import blocks_needed  # noqa: E402
+    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, engine_backend, load_engine_model  # noqa: E402
+    from l14_kv_transfer import MODES, make_offload_engine, make_store  # noqa: E402
+    from l14_kv_transfer import pd  # noqa: E402
+
+
+LESSON = "L14"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+CONVERSATIONS = [(0, 100), (700, 90), (1400, 80), (2100, 100)]  # (character offset, first-turn tokens)
+FOLLOW_UP = (2800, 16)  # the second turn's new text after each first turn's prompt and answer
+TRAFFIC = [(0, 90), (250, 90), (500, 90), (750, 90)]  # other requests between the turns (calibration text)
+
+
+def add_options(parser):
+    parser.add_argument("--tier", choices=["cpu+file", "cpu", "file", "off"], default="cpu+file",
+                        help="what stands behind the pool (default cpu+file: --cpu-blocks in memory, then "
+                             "--file-blocks as files); off: nothing, L8's engine")
+    parser.add_argument("--cpu-blocks", type=int, default=12, help="capacity of the CPU tier in blocks (default 12)")
+    parser.add_argument("--file-blocks", type=int, default=64, help="capacity of the file tier in blocks (default 64)")
+    parser.add_argument("--tier-dir", default=None,
+                        help="folder of the file tier (default: a temporary folder, removed at exit)")
+    parser.add_argument("--offload-mode", choices=MODES, default="write-through",
+                        help="write-through (default): save a block when it is full; write-back: when the "
+                             "pool evicts it")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="pool size (default alone: two second turns at once, too small to keep the first "
+                             "turns; under torchrun: every request at once)")
+    parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                        help=f"at most this many prompt tokens per step (default {DEFAULT_PREFILL_CHUNK})")
+    parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
+                        help="decode attention (default: kernel on CUDA, the cpu kernel or gather on CPU)")
+    parser.add_argument("--transfer-timeout", type=float, default=30.0,
+                        help="two processes: seconds the decode rank waits for a transfer (or any message) "
+                             "before it ends the requests concerned with an error (default 30)")
+    parser.add_argument("--stall-transfer", type=int, default=None, metavar="INDEX",
+                        help="two processes, a fault to watch: the prefill rank holds request INDEX's blocks "
+                             "back for --transfer-timeout + 1 s (that request ends with an error, the others pass)")
+
+
+def check_options(args) -> None:
+    for name in ("block_size", "prefill_chunk", "cpu_blocks", "file_blocks"):
+        if getattr(args, name) < (0 if name.endswith("blocks") else 1):
+            raise InputError(f"--{name.replace('_', '-')} must be at least {0 if name.endswith('blocks') else 1}, "
+                             f"got {getattr(args, name)}")
+    if not args.transfer_timeout > 0:
+        raise InputError(f"--transfer-timeout must be a positive number of seconds, got {args.transfer_timeout}")
+
+
+def passages(setup, spans, name: str = "kjv-heldout.txt") -> list[list[int]]:
+    text = (ASSETS / name).read_text()
+    return [encode(setup.tokenizer, text[start:])[:length] for start, length in spans]
+
+
+def make_tier(args):
+    if args.tier == "off":
+        return None
+    folder = args.tier_dir
+    if folder is None and "file" in args.tier:
+        folder = tempfile.mkdtemp(prefix="l14-tier-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    cpu = args.cpu_blocks if "cpu" in args.tier else 0
+    files = args.file_blocks if "file" in args.tier else 0
+    return make_store(cpu, files, folder)
+
+
+# ---------------------------------------------------------------- one process: the tier
+
+def run_offload(args, setup) -> LessonRun:
+    if args.prompt or args.prompt_ids or setup.tokenizer is None:
+        first_turns, traffic = [p.ids for p in setup.prompts], []
+    else:
+        first_turns, traffic = passages(setup, CONVERSATIONS), passages(setup, TRAFFIC, "kjv-calibration.txt")
+    bs, new = args.block_size, setup.max_new_tokens
+    longest = max(len(p) for p in first_turns) * 2 + new + FOLLOW_UP[1]
+    num_blocks = args.num_blocks or 2 * blocks_needed(longest + new, bs)
+    model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
+    backend = args.backend or engine_backend(setup.device, setup.dtype)
+    check_backend_device(backend, setup.device)
+    engine = make_offload_engine(model, num_blocks, bs, store=make_tier(args), mode=args.offload_mode,
+                                 prefill_chunk=args.prefill_chunk, backend=backend)
+    engine.run([WorkItem(p, new, arrival_step=i) for i, p in enumerate(first_turns)])
+    first = list(engine.requests.values())
+    # The teacher-forced rerun (bf16, harness/forcing.py) sends this run's second turns again.
+    if getattr(args, "second_turn_prompts", None) is None:
+        args.second_turn_prompts = [r.tokens + follow_up(setup, r.prompt_ids) for r in first]
+    later = [WorkItem(p, new, arrival_step=engine.now + i) for i, p in enumerate(traffic)]
+    later += [WorkItem(p, new, arrival_step=engine.now + len(traffic) + 1 + i)
+              for i, p in enumerate(args.second_turn_prompts)]
+    engine.run(later)
+    engine.alloc.check()
+    kinds = ["turn 1"] * len(first) + ["traffic"] * len(traffic) + ["turn 2"] * len(first)
+    results = [RequestResult(r.prompt_ids, r.output_ids, label=f"{kind}, arrives at step {r.arrival_step}")
+               for kind, r in zip(kinds, engine.requests.values())]
+    s = engine.summary()
+    figures = {"backend": backend, "tier": args.tier, "offload_mode": args.offload_mode, "block_size": bs,
+               "blocks_total": num_blocks, "bytes_per_block": engine.pool.bytes_per_block(model.config, bs, model.dtype),
+               **{k: v for k, v in s.items() if k.startswith(("cpu_", "file_", "tokens_", "blocks_", "bytes_"))},
+               "prefill_tokens_total": s["prefill_tokens_total"], "prefill_tokens_computed": s["prefill_tokens_computed"],
+               "device_hit_tokens": s["prefix_hit_tokens"] - s["tokens_loaded"],
+               "cached_blocks_evicted": s["cached_blocks_evicted"],
+               "all_blocks_free_at_end": s["blocks_free_at_end"] == s["blocks_total"]}
+    if not figures["all_blocks_free_at_end"]:
+        raise AssertionError(f"blocks leaked: {figures}")  # a bug: exit 3
+    return LessonRun(results, figures)
+
+
+def follow_up(setup, prompt: list[int]) -> list[int]:
+    if setup.tokenizer is None:
+        return prompt[:8]
+    return passages(setup, [FOLLOW_UP])[0]
+
+
+# ---------------------------------------------------------------- two processes
+
+def pd_workload(args, setup) -> list[WorkItem]:
+    args.n, args.arrivals = 1, "staggered"
+    return [WorkItem(w.prompt_ids, w.max_new_tokens, w.arrival_step) for w in l8_smoke.workload(args, setup)]
+
+
+def pd_engine(args, setup, items, connector=None):
+    num_blocks = args.num_blocks or sum(blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size)
+                                        for w in items)
+    model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
+    backend = args.backend or engine_backend(setup.device, setup.dtype)
+    check_backend_device(backend, setup.device)
+    engine = make_offload_engine(model, num_blocks, args.block_size, prefill_chunk=args.prefill_chunk,
+                                 backend=backend)
+    if connector is not None:
+        engine.connector = engine.scheduler.connector = connector(engine)
+    return engine
+
+
+def run_decode_rank(args, setup) -> LessonRun:
+    check_options(args)
+    items = pd_workload(args, setup)
+    engine = pd_engine(args, setup, items)
+    pd.init_group(args.transfer_timeout)
+    rank = pd.DecodeRank(engine, len(items), args.transfer_timeout)
+    outcomes = rank.run()
+    engine.alloc.check()
+    results = []
+    for w, out in zip(items, outcomes.values()):
+        label = f"decoded here, prefilled on rank 0" if out.error is None else f"error: {out.error}"
+        results.append(RequestResult(w.prompt_ids, out.output_ids, label=label))
+    s = engine.summary()
+    figures = {"role": "decode (rank 1)", "block_size": args.block_size, "blocks_total": s["blocks_total"],
+               **rank.figures(), "transfer_seconds_total": round(sum(rank.transfer_seconds), 4),
+               "all_blocks_free_at_end": s["blocks_free_at_end"] == s["blocks_total"]}
+    if not figures["all_blocks_free_at_end"]:
+        raise AssertionError(f"blocks leaked: {figures}")
+    return LessonRun(results, figures)
+
+
+def run_prefill_rank(argv=None) -> int:
+    """Rank 0: no comparison of its own (rank 1 compares every request with HF); one line per send."""
+    from harness.cli import run_main
+    from harness.smoke import make_parser, resolve
+
+    def main():
+        parser = make_parser(LESSON, __doc__)
+        add_options(parser)
+        args = parser.parse_args(argv)
+        setup = resolve(args)
+        check_options(args)
+        items = pd_workload(args, setup)
+        max_new = {i: w.max_new_tokens for i, w in enumerate(items)}
+        stall = {args.stall_transfer: args.transfer_timeout + 1} if args.stall_transfer is not None else {}
+
+        def sent(index, blocks, total):
+            print(f"rank 0: sent request {index} ({blocks} blocks in its table; {total} bytes sent so far)", flush=True)
+
+        engine = pd_engine(args, setup, items, lambda e: pd.PdSendConnector(e.pool, args.block_size, max_new,
+                                                                            stall=stall, on_sent=sent))
+        pd.init_group(args.transfer_timeout)
+        figures = pd.run_prefill_rank(engine, items)
+        engine.alloc.check()
+        print("rank 0 (prefill): " + ", ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
+        return 0
+
+    return run_main(main, "the decode rank ends what it did not receive")
+
+
+def run(args, setup) -> LessonRun:
+    check_options(args)
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        return run_decode_rank(args, setup)
+    return run_offload(args, setup)
+
+
+if __name__ == "__main__":
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world not in ("1", "2"):
+        print(f"error: the two-process form runs on exactly 2 ranks (torchrun --nproc-per-node 2), got {world}",
+              file=sys.stderr)
+        sys.exit(2)
+    if world == "2" and os.environ.get("RANK") == "0":
+        sys.exit(run_prefill_rank())
+    sys.exit(run_smoke(LESSON, __doc__, run, add_options))
