@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from l2_paged import OutOfBlocksError
+from l2_paged import OutOfBlocksError, blocks_needed
 from l5_eviction import WorkItem
 from l5_eviction.lifecycle import State
 from l8_prefix import chain_keys
@@ -44,6 +44,10 @@ HEADER, REPLY, PAYLOAD_BASE = 0, 1, 100  # tags; a payload's tag is PAYLOAD_BASE
 KIND_END, KIND_REQUEST = 0, 1
 HEADER_LEN = 8
 REFUSED = -1  # the decode side's reply when the request can never fit its pool
+
+
+class PeerLostError(RuntimeError):
+    """The other rank closed the connection or did not answer in time."""
 
 
 @dataclass
@@ -139,6 +143,13 @@ class PdSendConnector(KvConnector):
         return done
 
     def send(self, req) -> None:
+        try:
+            self._send(req)
+        except RuntimeError as exc:  # gloo: connection closed, or no answer within its timeout
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise PeerLostError(f"lost the decode rank while sending request {req.request_id} ({first})") from None
+
+    def _send(self, req) -> None:
         start = time.perf_counter()
         first = req.output_ids[0]
         finished = req.finish_reason in ("eos", "stop") or self.max_new_of[req.request_id] == 1
@@ -272,16 +283,14 @@ class DecodeRank:
                 if n:
                     dist.recv(payload, self.peer, tag=PAYLOAD_BASE + header.index)
                 self.inbox.put(("payload", header.index, payload))
-        except Exception as exc:  # the prefill rank is gone (connection closed) or silent past the timeout
+        except Exception as exc:  # the prefill rank is gone (connection closed) or silent past gloo's timeout
             self.inbox.put(("lost", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
 
     def run(self) -> dict[int, DecodeOutcome]:
         threading.Thread(target=self._receive, daemon=True).start()
-        last_heard = time.monotonic()
         while True:
             try:
                 message = self.inbox.get(timeout=0 if self._busy() else 0.01)
-                last_heard = time.monotonic()
                 self._handle(message)
                 continue
             except queue.Empty:
@@ -293,8 +302,6 @@ class DecodeRank:
                 self._collect()
             elif self.stream_over and not self.pending and not self.backlog:
                 break
-            elif not self.stream_over and time.monotonic() - last_heard > self.timeout:
-                self._lose(f"no message from the prefill rank in {self.timeout:g} s")
         self._collect()
         for outcome in self.outcomes.values():
             if outcome.finish_reason is None:
@@ -331,6 +338,10 @@ class DecodeRank:
             own_keys = chain_keys(header.prompt_ids, alloc.block_size)
             if own_keys != header.keys:
                 self._refuse(header, "the prefill rank's block keys differ from ours (same block size on both?)")
+                continue
+            if header.num_blocks != blocks_needed(len(header.prompt_ids), alloc.block_size):
+                self._refuse(header, f"{header.num_blocks} blocks cannot hold a prompt of {len(header.prompt_ids)} "
+                                     f"tokens in blocks of {alloc.block_size}")
                 continue
             if header.num_blocks > alloc.num_blocks:
                 self._refuse(header, f"{header.num_blocks} blocks can never fit a pool of {alloc.num_blocks}")

@@ -181,7 +181,7 @@ def run_decode_rank(args, setup) -> LessonRun:
 
 def run_prefill_rank(argv=None) -> int:
     """Rank 0: no comparison of its own (rank 1 compares every request with HF); one line per send."""
-    from harness.cli import run_main
+    from harness.cli import run_main, say_error
     from harness.smoke import make_parser, resolve
 
     def main():
@@ -200,7 +200,11 @@ def run_prefill_rank(argv=None) -> int:
         engine = pd_engine(args, setup, items, lambda e: pd.PdSendConnector(e.pool, args.block_size, max_new,
                                                                             stall=stall, on_sent=sent))
         pd.init_group(args.transfer_timeout)
-        figures = pd.run_prefill_rank(engine, items)
+        try:
+            figures = pd.run_prefill_rank(engine, items)
+        except pd.PeerLostError as exc:
+            say_error(str(exc))
+            return 2
         engine.alloc.check()
         print("rank 0 (prefill): " + ", ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
         return 0

@@ -1,0 +1,243 @@
+"""L14's offload tier in the engine: the connector's scheduler-side answers against keys computed
+here from the tokens, the step's loads and saves, and whole workloads whose second turns come back
+after other traffic evicted their blocks: ids equal HF's with the tier on and off, every loaded
+block equal bit for bit to what was stored, bytes moved = blocks x bytes per block."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness import hf_reference as hf
+from helpers import random_prompt
+from l1_contiguous import InputError
+from l2_paged import bytes_per_block
+from l5_eviction import WorkItem, load_engine_model
+from l8_prefix import chain_keys, make_prefix_engine
+from l14_kv_transfer import (CpuTier, FileTier, LoadJob, OffloadConnector, TieredStore, make_offload_engine, make_store,
+                             read_block)
+
+pytestmark = [pytest.mark.l14, pytest.mark.usefixtures("one_torch_thread")]
+
+BS = 4
+VOCAB = 512  # harness.tiny_models.TINY
+
+
+def dummy_store(keys: list[bytes], tiers: int = 1) -> TieredStore:
+    store = TieredStore([CpuTier(64) for _ in range(tiers)])
+    for k in keys:
+        store.save(k, torch.zeros(1))
+    return store
+
+
+def fake_request(tokens: list[int], request_id: int = 0, cur_len: int = 0, blocks=None):
+    return SimpleNamespace(tokens=tokens, request_id=request_id, cur_len=cur_len, blocks=blocks or [])
+
+
+# ---------------------------------------------------------------- the scheduler side
+
+@pytest.mark.points(4)
+def test_matched_tokens_continue_the_devices_run_stop_at_a_gap_and_never_reach_the_last_token():
+    tokens = random_prompt(6 * BS + 2, VOCAB, seed=1)  # 6 full blocks and 2 more tokens
+    keys = chain_keys(tokens, BS)
+    store = dummy_store([keys[i] for i in (0, 1, 2, 3, 5)])  # block 4 is missing
+    conn = OffloadConnector(store, BS)
+    req = fake_request(tokens)
+    assert conn.get_num_new_matched_tokens(req, 0) == 4 * BS
+    assert conn.get_num_new_matched_tokens(req, 2 * BS) == 2 * BS  # from the device's end on
+    assert conn.get_num_new_matched_tokens(req, 4 * BS) == 0  # block 4 is not stored: nothing after it counts
+    store.save(keys[4], torch.zeros(1))
+    assert conn.get_num_new_matched_tokens(req, 3 * BS) == 3 * BS
+    # the last token's block is never loaded: with exactly 6 full blocks, 5 at most
+    exact = fake_request(tokens[:6 * BS])
+    assert conn.get_num_new_matched_tokens(exact, 0) == 5 * BS
+    # the same tokens after another prefix have other keys: no hit
+    assert conn.get_num_new_matched_tokens(fake_request([7] + tokens[1:]), 0) == 0
+    assert conn.get_num_new_matched_tokens(fake_request(tokens[:BS]), 0) == 0
+
+
+@pytest.mark.points(1)
+def test_matched_tokens_change_nothing_and_see_every_tier(tmp_path):
+    tokens = random_prompt(3 * BS + 1, VOCAB, seed=2)
+    keys = chain_keys(tokens, BS)
+    cpu, files = CpuTier(1), FileTier(4, tmp_path / "files")
+    store = TieredStore([cpu, files])
+    for k in keys:
+        store.save(k, torch.ones(2))  # the first two spill to the files
+    conn = OffloadConnector(store, BS)
+    state = lambda: (list(cpu.order), list(files.order), cpu.bytes_read, files.bytes_read, list(store.loads_by_tier),
+                     dict(conn.pending_loads), vars(conn.counters).copy())
+    before = state()
+    for _ in range(3):
+        assert conn.get_num_new_matched_tokens(fake_request(tokens), 0) == 3 * BS
+    assert state() == before
+
+
+@pytest.mark.points(4)
+def test_meta_saves_exactly_the_blocks_the_step_fills_that_the_store_lacks():
+    tokens = random_prompt(5 * BS + 3, VOCAB, seed=3)
+    keys = chain_keys(tokens, BS)
+    store = dummy_store([keys[1]])
+    conn = OffloadConnector(store, BS)
+    blocks = [40, 41, 42, 43, 44, 45]
+    prefill = fake_request(tokens, 0, cur_len=0, blocks=blocks)  # computes 0 .. 2*BS+1: fills blocks 0 and 1
+    chunk = fake_request(tokens, 1, cur_len=2 * BS + 2, blocks=blocks)  # to 5*BS: fills 2, 3, 4
+    decode = fake_request(tokens[:3 * BS], 2, cur_len=3 * BS - 1, blocks=blocks)  # its token completes block 2
+    partial = fake_request(tokens, 3, cur_len=BS + 1, blocks=blocks)  # stays inside block 1
+    meta = conn.build_connector_meta([(prefill, 2 * BS + 2), (chunk, 3 * BS - 2), (decode, 1), (partial, 2)])
+    assert meta.saves == [(40, keys[0]),  # block 1 is stored already
+                          (42, keys[2]), (43, keys[3]), (44, keys[4]),
+                          (42, keys[2])]
+    assert meta.loads == []
+
+
+@pytest.mark.points(1)
+def test_meta_hands_over_the_promised_loads_of_planned_requests_only_and_write_back_saves_nothing():
+    conn = OffloadConnector(dummy_store([]), BS, mode="write-back")
+    jobs = {rid: LoadJob(rid, [rid], [bytes([rid]) * 16]) for rid in (5, 6)}
+    conn.pending_loads.update(jobs)
+    tokens = random_prompt(3 * BS, VOCAB, seed=4)
+    meta = conn.build_connector_meta([(fake_request(tokens, 5, cur_len=BS, blocks=[1, 2, 3]), 2 * BS)])
+    assert meta.loads == [jobs[5]] and meta.saves == []  # write-back: saved when evicted, not when full
+    assert conn.pending_loads == {6: jobs[6]}
+    again = conn.build_connector_meta([(fake_request(tokens, 5, cur_len=BS, blocks=[1, 2, 3]), 1)])
+    assert again.loads == []  # handed over once
+
+
+# ---------------------------------------------------------------- whole workloads
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_engine_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_ids(tiny_model_dir):
+    hf_model = hf.load_hf_model(str(tiny_model_dir))
+    return functools.lru_cache(maxsize=None)(lambda prompt, n: tuple(hf.hf_greedy(hf_model, list(prompt), n)))
+
+
+NEW = 6
+
+
+def conversations() -> tuple[list[list[int]], list[list[int]]]:
+    firsts = [random_prompt(26 + 5 * i, VOCAB, seed=10 + i) for i in range(3)]
+    traffic = [random_prompt(30, VOCAB, seed=20 + i) for i in range(4)]
+    return firsts, traffic
+
+
+def run_two_turns(model, hf_ids, store, mode="write-through", num_blocks=16, **kwargs):
+    """Turn 1 of three conversations, then traffic that evicts them, then their second turns."""
+    engine = make_offload_engine(model, num_blocks, BS, store=store, mode=mode, **kwargs)
+    firsts, traffic = conversations()
+    engine.run([WorkItem(p, NEW, arrival_step=i) for i, p in enumerate(firsts)])
+    seconds = [r.tokens + random_prompt(5, VOCAB, seed=30 + r.request_id) for r in list(engine.requests.values())]
+    later = [WorkItem(p, NEW, arrival_step=engine.now + i) for i, p in enumerate(traffic)]
+    later += [WorkItem(p, NEW, arrival_step=engine.now + len(traffic) + 2 * i) for i, p in enumerate(seconds)]
+    engine.run(later)
+    engine.alloc.check()
+    for req in engine.requests.values():
+        assert tuple(req.output_ids) == hf_ids(tuple(req.prompt_ids), NEW), req.request_id
+    s = engine.summary()
+    assert s["blocks_free_at_end"] == s["blocks_total"]
+    return engine, s
+
+
+class RecordingConnector(OffloadConnector):
+    """Checks each load right after it: the pool's block equals what the store held, bit for bit."""
+
+    checked = 0
+
+    def start_load_kv(self, meta, pool):
+        super().start_load_kv(meta, pool)
+        for job in meta.loads:
+            for block, key in zip(job.blocks, job.keys):
+                stored = next(t for t in self.store.tiers if key in t)._read(key)
+                assert torch.equal(read_block(pool, block).view(torch.uint8), stored.view(torch.uint8))
+                self.checked += 1
+
+
+@pytest.mark.points(3)
+@pytest.mark.parametrize("tiers", ["cpu", "file", "cpu+file"])
+def test_hf_ids_with_the_tier_on_and_off_and_the_tier_saves_exactly_what_it_loads(model, hf_ids, tiers, tmp_path):
+    _, off = run_two_turns(model, hf_ids, None)
+    cpu = {"cpu": 64, "file": 0, "cpu+file": 3}[tiers]
+    store = make_store(cpu, 0 if tiers == "cpu" else 64, tmp_path / "files") if cpu else \
+        TieredStore([FileTier(64, tmp_path / "files")])
+    engine, on = run_two_turns(model, hf_ids, store)
+    per_block = bytes_per_block(model.config, BS, model.dtype)
+    assert on["tokens_loaded"] > 0 and on["tokens_loaded"] == on["blocks_loaded"] * BS
+    # the tier changes nothing on the device: every token it loads is one the run without it computed
+    assert off["prefill_tokens_computed"] - on["prefill_tokens_computed"] == on["tokens_loaded"]
+    assert on["bytes_loaded"] == on["blocks_loaded"] * per_block and on["bytes_saved"] == on["blocks_saved"] * per_block
+
+
+@pytest.mark.points(2)
+def test_hf_ids_with_write_back_which_saves_only_what_the_pool_evicts(model, hf_ids):
+    engine, s = run_two_turns(model, hf_ids, make_store(64), mode="write-back")
+    assert 0 < s["blocks_saved"] <= s["cached_blocks_evicted"] and s["tokens_loaded"] > 0
+
+
+def test_every_loaded_block_equals_the_stored_one_bit_for_bit(model, hf_ids, tmp_path):
+    store = make_store(3, 64, tmp_path / "files")
+    connector = RecordingConnector(store, BS)
+    engine = make_offload_engine(model, 16, BS, store=None)
+    engine.connector = engine.scheduler.connector = connector
+    firsts, traffic = conversations()
+    engine.run([WorkItem(p, NEW, arrival_step=i) for i, p in enumerate(firsts + traffic + firsts)])
+    assert connector.checked == connector.counters.blocks_loaded > 0
+
+
+@pytest.mark.points(1)
+def test_hf_ids_when_a_preempted_request_comes_back_through_the_tier(model, hf_ids):
+    """Recompute preemption frees blocks; with a tier the request loads them back instead."""
+    prompts = [random_prompt(40, VOCAB, seed=50 + i) for i in range(4)]
+    engine = make_offload_engine(model, 16, BS, store=make_store(64), prefill_chunk=16)
+    engine.run([WorkItem(p, 12) for p in prompts])
+    s = engine.summary()
+    for req in engine.requests.values():
+        assert tuple(req.output_ids) == hf_ids(tuple(req.prompt_ids), 12)
+    assert s["preempted_recompute"] > 0 and s["tokens_loaded"] > 0
+
+
+def test_a_step_that_fails_after_its_loads_is_rolled_back_and_runs_again(model, hf_ids, monkeypatch):
+    engine = make_offload_engine(model, 16, BS, store=make_store(64))
+    firsts, traffic = conversations()
+    engine.run([WorkItem(p, NEW) for p in firsts + traffic])
+    engine.add_request(WorkItem(firsts[0], NEW))
+    forward = engine.runner.forward_logits
+    calls = []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward_logits", fail_once)
+    loaded = engine.connector.counters.tokens_loaded
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.connector.counters.tokens_loaded == loaded and not engine.connector.pending_loads
+    engine.run()
+    last = engine.requests[len(firsts) + len(traffic)]
+    assert tuple(last.output_ids) == hf_ids(tuple(firsts[0]), NEW)
+    assert engine.connector.counters.tokens_loaded > loaded
+    engine.alloc.check()
+
+
+def test_a_tier_needs_prefix_keys_and_a_known_mode(model):
+    with pytest.raises(InputError, match="prefix sharing"):
+        make_offload_engine(model, 8, BS, store=make_store(4), prefix_sharing=False)
+    with pytest.raises(InputError, match="write-through or write-back"):
+        make_offload_engine(model, 8, BS, store=make_store(4), mode="lazy")
+
+
+def test_without_a_tier_it_is_l8s_engine(model):
+    prompts = [random_prompt(30, VOCAB, seed=60 + i) for i in range(3)]
+    ours = make_offload_engine(model, 10, BS).run([WorkItem(p, NEW, i) for i, p in enumerate(prompts)])
+    l8 = make_prefix_engine(model, 10, BS).run([WorkItem(p, NEW, i) for i, p in enumerate(prompts)])
+    assert [r.output_ids for r in ours.values()] == [r.output_ids for r in l8.values()]

@@ -1,0 +1,244 @@
+"""L14's prefill/decode split. In one process first: the receiving side's block plan against the
+allocator's own state, and requests prefilled by one engine, moved byte for byte into another pool
+under other block ids, decoded there to HF's ids with no prompt token computed. Then for real, two
+processes over gloo: torchrun runs the smoke script's two-process form; a rank killed mid-run and
+a transfer held back past its deadline end only the requests concerned, within a bounded time."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import hf_reference as hf
+from helpers import random_prompt
+from l2_paged import OutOfBlocksError
+from l5_eviction import WorkItem, load_engine_model
+from l8_prefix import PrefixBlockAllocator, chain_keys
+from l14_kv_transfer import KvConnector, make_offload_engine
+from l14_kv_transfer import pd
+
+pytestmark = [pytest.mark.l14, pytest.mark.usefixtures("one_torch_thread")]
+
+ROOT = Path(__file__).resolve().parent.parent
+BS = 4
+VOCAB = 512
+
+
+def allocator_state(alloc: PrefixBlockAllocator) -> tuple:
+    return (sorted(alloc.free_blocks), list(alloc.cached_free), list(alloc.ref_count), dict(alloc.key_of))
+
+
+def keyed_allocator(num_blocks: int, keys: list[bytes], in_use: int) -> tuple[PrefixBlockAllocator, list[int]]:
+    """`keys` registered on blocks, the first `in_use` of them still held, the rest cached free."""
+    alloc = PrefixBlockAllocator(num_blocks, BS)
+    blocks = alloc.alloc_blocks(len(keys))
+    for b, k in zip(blocks, keys):
+        alloc.register(b, k)
+    alloc.free(blocks[in_use:])
+    return alloc, blocks
+
+
+@pytest.mark.points(3)
+def test_plan_receive_shares_the_leading_run_it_holds_and_allocates_the_rest():
+    keys = chain_keys(random_prompt(6 * BS, VOCAB, seed=1), BS)
+    alloc, blocks = keyed_allocator(12, keys[:3], in_use=1)  # blocks of keys 0..2: 0 in use, 1 and 2 cached free
+    held, fresh = pd.plan_receive(alloc, keys[:5], 6)  # 5 full blocks and a partial one arriving
+    assert held == blocks[:3] and len(fresh) == 3 and not set(fresh) & set(blocks)
+    assert [alloc.ref_count[b] for b in held] == [2, 1, 1] and all(alloc.ref_count[b] == 1 for b in fresh)
+    assert not set(held) & set(alloc.cached_free) and not set(fresh) & set(alloc.free_blocks)
+    alloc.check()
+    other = chain_keys([9] + random_prompt(6 * BS - 1, VOCAB, seed=1), BS)  # another first block: no hit at all
+    held2, fresh2 = pd.plan_receive(alloc, other[:2], 3)
+    assert held2 == [] and len(fresh2) == 3
+    alloc.check()
+
+
+@pytest.mark.points(1)
+def test_plan_receive_stops_at_the_first_key_it_lacks_and_never_holds_more_than_arrive():
+    keys = chain_keys(random_prompt(4 * BS, VOCAB, seed=2), BS)
+    alloc, blocks = keyed_allocator(10, [keys[0], keys[2], keys[3]], in_use=0)  # key 1 missing
+    held, fresh = pd.plan_receive(alloc, keys, 4)
+    assert held == blocks[:1] and len(fresh) == 3
+    alloc2, blocks2 = keyed_allocator(10, keys, in_use=0)
+    held2, fresh2 = pd.plan_receive(alloc2, keys, 4)  # all four held: nothing to receive
+    assert held2 == blocks2 and fresh2 == []
+    alloc2.check()
+
+
+@pytest.mark.points(2)
+def test_plan_receive_is_all_or_nothing_when_the_pool_is_short():
+    keys = chain_keys(random_prompt(3 * BS, VOCAB, seed=3), BS)
+    alloc, _ = keyed_allocator(5, keys[:2], in_use=0)
+    alloc.alloc_blocks(2)  # 2 in use elsewhere; 2 cached free (ours) and 1 free left
+    before = allocator_state(alloc)
+    with pytest.raises(OutOfBlocksError):
+        pd.plan_receive(alloc, keys, 5)  # needs 2 held + 3 fresh, only 1 free
+    assert allocator_state(alloc) == before
+    alloc.check()
+
+
+# ---------------------------------------------------------------- one process, two pools
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_engine_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_ids(tiny_model_dir):
+    hf_model = hf.load_hf_model(str(tiny_model_dir))
+    return functools.lru_cache(maxsize=None)(lambda prompt, n: tuple(hf.hf_greedy(hf_model, list(prompt), n)))
+
+
+class HoldingConnector(KvConnector):
+    """Keeps every finished request's blocks until the test has moved them (as a send would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held, self.released = [], set()
+
+    def request_finished(self, req) -> bool:
+        self.held.append(req)
+        return True
+
+    def get_finished(self) -> set[int]:
+        return self.released
+
+
+def transfer_in_process(prefill, decode, prompts: list[list[int]], new: int) -> tuple[list, list[int], list]:
+    """What the two ranks do, without the wire: prefill each prompt, move its blocks, adopt it."""
+    connector = prefill.connector = prefill.scheduler.connector = HoldingConnector()
+    prefill.run([WorkItem(p, 1) for p in prompts])
+    moved, adopted, tables = [], [], []
+    for req in connector.held:
+        keys = chain_keys(req.prompt_ids, BS)
+        held, fresh = pd.plan_receive(decode.alloc, keys, len(req.blocks))
+        payload = pd.pack_blocks(prefill.pool, req.blocks[len(held):])
+        kv = pd.unpack_blocks(decode.pool, payload.clone(), len(fresh))
+        for row, block in enumerate(fresh):
+            pd.write_block(decode.pool, block, kv[row])
+        header = pd.Header(req.request_id, req.prompt_ids, req.output_ids[0], len(req.blocks), keys, False, new)
+        adopted.append(pd.adopt(decode, header, held + fresh))
+        moved.append(len(fresh))
+        tables.append((list(req.blocks), held + fresh))
+    connector.released = {r.request_id for r in connector.held}
+    prefill.release_finished()
+    assert prefill.alloc.num_free == prefill.alloc.num_blocks
+    decode.run()
+    return adopted, moved, tables
+
+
+@pytest.mark.points(3)
+def test_adopt_decodes_hfs_ids_from_blocks_moved_into_other_ids_with_no_prompt_token_computed(model, hf_ids):
+    system = random_prompt(3 * BS, VOCAB, seed=7)
+    prompts = [system + random_prompt(5 + 3 * i, VOCAB, seed=8 + i) for i in range(3)]
+    prefill = make_offload_engine(model, 40, BS)
+    decode = make_offload_engine(model, 40, BS)
+    decode.alloc.alloc_blocks(5)  # so the decode pool's ids differ from the prefill pool's
+    adopted, moved, tables = transfer_in_process(prefill, decode, prompts, 7)
+    for req, prompt in zip(adopted, prompts):
+        assert tuple(req.output_ids) == hf_ids(tuple(prompt), 7) and req.finish_reason == "length"
+    assert decode.summary()["prefill_tokens_computed"] == 0
+    sizes = [-(-len(p) // BS) for p in prompts]
+    assert moved == [sizes[0], sizes[1] - 3, sizes[2] - 3]  # the system prompt's 3 blocks are held
+    assert all(theirs != ours for theirs, ours in tables)  # other ids on the decode side
+    assert decode.alloc.lookup(chain_keys(system, BS)) == tables[0][1][:3] == tables[1][1][:3] == tables[2][1][:3]
+    s = decode.summary()
+    assert s["blocks_free_at_end"] == s["blocks_total"] - 5
+    decode.alloc.check()
+
+
+@pytest.mark.points(1)
+def test_adopt_registers_the_keys_and_a_first_token_that_ends_the_request_ends_it(model, hf_ids):
+    prompt = random_prompt(4 * BS + 1, VOCAB, seed=12)
+    prefill, decode = make_offload_engine(model, 20, BS), make_offload_engine(model, 20, BS)
+    adopted, _, tables = transfer_in_process(prefill, decode, [prompt], 1)  # max_new_tokens 1: done on arrival
+    assert adopted[0].output_ids == list(hf_ids(tuple(prompt), 1)) and adopted[0].finish_reason == "length"
+    keys = chain_keys(prompt, BS)
+    assert decode.alloc.lookup(keys) == tables[0][1][:4]  # cached under their keys for later prompts
+    s = decode.summary()
+    assert s["blocks_free_at_end"] == s["blocks_total"]
+
+
+# ---------------------------------------------------------------- two processes
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(argv: list[str], timeout: float = 240) -> tuple[int, str, dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(ROOT / "scripts" / "l14_smoke.py"),
+                           "--max-new-tokens", "8", "--json", *argv],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    report = next((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), None)
+    return done.returncode, done.stdout + done.stderr, report
+
+
+@pytest.mark.points(2)
+def test_two_processes_under_torchrun_equal_hf_and_send_only_the_blocks_the_decode_rank_lacks():
+    status, output, report = torchrun([])
+    assert status == 0 and report is not None and report["match"] is True, output[-3000:]
+    assert len(report["requests"]) == 5 and report["errors"] == 0
+    assert report["decode_prefill_tokens_computed"] == 0 and report["all_blocks_free_at_end"]
+    assert report["blocks_already_held"] == 4 * 5  # the system prompt's 5 full blocks, after the first request
+    per_block = report["bytes_received"] // report["blocks_received"]
+    assert report["bytes_received"] == report["blocks_received"] * per_block
+    sent = next(line for line in output.splitlines() if line.startswith("rank 0 (prefill)"))
+    assert f"bytes_sent {report['bytes_received']}," in sent and f"blocks_sent {report['blocks_received']}," in sent
+
+
+def test_a_transfer_held_past_its_deadline_ends_only_its_request():
+    start = time.monotonic()
+    status, output, report = torchrun(["--transfer-timeout", "2", "--stall-transfer", "2"])
+    assert report is not None, output[-3000:]
+    assert status != 0 and report["errors"] == 1 and report["all_blocks_free_at_end"]
+    bad = [r for r in report["requests"] if not r["match"]]
+    assert len(bad) == 1 and bad[0]["ids"] == [] and len(report["requests"]) == 5
+    assert "transfer timed out" in output and time.monotonic() - start < 120
+
+
+def test_a_killed_prefill_rank_ends_what_it_owed_and_the_decode_rank_finishes_the_rest(tmp_path):
+    """Ranks started by hand (torchrun would take the decode rank down with the dead one)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    argv = [sys.executable, str(ROOT / "scripts" / "l14_smoke.py"), "--max-new-tokens", "8", "--json",
+            "--transfer-timeout", "20"]
+    decode = subprocess.Popen(argv, env={**env, "RANK": "1", "LOCAL_RANK": "1"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    prefill = subprocess.Popen(argv, env={**env, "RANK": "0", "LOCAL_RANK": "0"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in prefill.stdout:
+            seen.append(line)
+            if line.startswith("rank 0: sent request 1"):
+                prefill.send_signal(signal.SIGKILL)
+                break
+        killed_at = time.monotonic()
+        out, err = decode.communicate(timeout=120)
+    finally:
+        for proc in (prefill, decode):
+            if proc.poll() is None:
+                proc.kill()
+    assert time.monotonic() - killed_at < 60, "the decode rank waited for a dead rank"
+    report = json.loads(out.strip().splitlines()[-1])
+    assert decode.returncode == 1 and report["all_blocks_free_at_end"], err[-2000:]
+    finished = [r for r in report["requests"] if r["match"]]
+    assert len(finished) >= 2 and all(r["ids"] for r in finished)  # requests 0 and 1 were sent before the kill
+    lost = [r for r in report["requests"] if not r["match"]]
+    assert lost and all(r["ids"] == [] for r in lost) and report["errors"] == len(lost)
+    assert "lost the prefill rank" in out

@@ -1,0 +1,191 @@
+"""L14's tiers against a model of LRU written here (a list, most recent last), on random sequences of
+gets and puts, for the CPU tier and the file tier alike; bit-exact round trips in every dtype the
+pools use; the store's spill chain and its side-effect-free `match`; the file tier's crash rules."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from l1_contiguous import InputError
+from l14_kv_transfer import CpuTier, FileTier, TieredStore
+
+pytestmark = [pytest.mark.l14]
+
+SHAPE = (2, 3, 4, 2, 8)  # [K/V, layers, block_size, H_kv, D]
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def block(i: int, dtype=torch.float32) -> torch.Tensor:
+    return (torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).view(SHAPE) + 1000 * i).to(dtype)
+
+
+def make_tier(kind: str, capacity: int, tmp_path) -> CpuTier | FileTier:
+    return CpuTier(capacity) if kind == "cpu" else FileTier(capacity, tmp_path / f"tier-{random.random()}")
+
+
+KINDS = ["cpu", "file"]
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("kind", KINDS)
+def test_lru_tier_evicts_what_a_plain_lru_model_evicts_on_random_gets_and_puts(kind, tmp_path):
+    for seed in range(6):
+        rng = random.Random(seed)
+        capacity = rng.randint(1, 5)
+        tier, model = make_tier(kind, capacity, tmp_path), []  # model: keys, least recently used first
+        for _ in range(60):
+            i = rng.randrange(9)
+            if rng.random() < 0.4 and i in model:
+                assert torch.equal(tier.get(key(i)), block(i))
+                model.remove(i)
+                model.append(i)
+                continue
+            evicted = tier.put(key(i), block(i))
+            if i in model:
+                model.remove(i)
+                model.append(i)
+                assert evicted == []
+                continue
+            expected = []
+            while len(model) >= capacity:
+                expected.append(model.pop(0))
+            model.append(i)
+            assert [k for k, _ in evicted] == [key(e) for e in expected], (seed, model)
+            assert all(torch.equal(kv, block(e)) for (_, kv), e in zip(evicted, expected))
+            assert list(tier.order) == [key(m) for m in model] and len(tier) == len(model)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("kind", KINDS)
+def test_lru_tier_get_refreshes_and_counts_bytes(kind, tmp_path):
+    tier = make_tier(kind, 2, tmp_path)
+    nbytes = block(0).numel() * 4
+    tier.put(key(0), block(0))
+    tier.put(key(1), block(1))
+    assert torch.equal(tier.get(key(0)), block(0))  # 0 is now the most recent: 1 goes first
+    evicted = tier.put(key(2), block(2))
+    assert [k for k, _ in evicted] == [key(1)] and key(0) in tier and key(1) not in tier
+    assert tier.bytes_written == 3 * nbytes and tier.bytes_read == nbytes and tier.evictions == 1
+    tier.put(key(2), block(2))  # already held: touched, not written again
+    assert tier.bytes_written == 3 * nbytes
+    with pytest.raises(KeyError):
+        tier.get(key(7))
+    assert tier.bytes_read == nbytes and list(tier.order) == [key(0), key(2)]
+
+
+@pytest.mark.points(1)
+def test_lru_tier_of_capacity_0_hands_every_block_back(tmp_path):
+    for kind in KINDS:
+        tier = make_tier(kind, 0, tmp_path)
+        evicted = tier.put(key(3), block(3))
+        assert [k for k, _ in evicted] == [key(3)] and torch.equal(evicted[0][1], block(3)) and len(tier) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8])
+def test_the_file_tier_gives_back_the_stored_bits(dtype, tmp_path):
+    raw = torch.randint(-128, 127, SHAPE, dtype=torch.int8) if dtype is torch.int8 else \
+        torch.randn(SHAPE).to(dtype)
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        raw.view(-1)[0] = float("nan")
+    tier = FileTier(4, tmp_path / "files")
+    tier.put(key(1), raw)
+    back = tier.get(key(1))
+    assert back.dtype == dtype and back.shape == raw.shape
+    assert torch.equal(back.view(torch.uint8), raw.view(torch.uint8))  # bit for bit, NaN included
+    assert tier.path(key(1)).exists() and tier.path(key(1)).name == key(1).hex() + ".kv"
+
+
+def test_the_cpu_tier_keeps_a_copy_not_the_pools_tensor():
+    tier, kv = CpuTier(2), block(0)
+    tier.put(key(0), kv)
+    kv.zero_()  # the pool reuses its block
+    assert torch.equal(tier.get(key(0)), block(0))
+
+
+def test_a_cut_file_is_an_error_never_data_and_a_temporary_file_is_no_block(tmp_path):
+    tier = FileTier(4, tmp_path / "files")
+    tier.put(key(0), block(0))
+    path = tier.path(key(0))
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(OSError, match="header says"):
+        tier.get(key(0))
+    (tmp_path / "files" / (key(1).hex() + ".tmp")).write_bytes(b"half")
+    assert key(1) not in tier
+    tier.clear()
+    assert not path.exists() and len(tier) == 0
+
+
+@pytest.mark.parametrize("capacity", [-1, 1.5, True, "4"])
+def test_a_bad_capacity_or_folder_is_one_clear_error(capacity, tmp_path):
+    with pytest.raises(InputError, match="capacity"):
+        CpuTier(capacity)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(InputError, match="is a file"):
+        FileTier(2, tmp_path / "afile")
+
+
+@pytest.mark.points(3)
+def test_store_match_is_the_nearest_tier_of_the_longest_leading_run_and_changes_nothing(tmp_path):
+    cpu, files = CpuTier(2), FileTier(8, tmp_path / "files")
+    store = TieredStore([cpu, files])
+    for i in range(5):
+        store.save(key(i), block(i))  # 0, 1, 2 spill to files; 3, 4 stay in memory
+    before = (list(cpu.order), list(files.order), cpu.bytes_read, files.bytes_read, list(store.loads_by_tier))
+    assert store.match([key(3), key(0), key(4), key(2)]) == [0, 1, 0, 1]
+    assert store.match([key(1), key(9), key(3)]) == [1]  # stops at the first miss
+    assert store.match([key(9), key(0)]) == [] and store.match([]) == []
+    assert (list(cpu.order), list(files.order), cpu.bytes_read, files.bytes_read, list(store.loads_by_tier)) == before
+
+
+@pytest.mark.points(4)
+def test_store_save_spills_each_tiers_evictions_one_tier_down_and_drops_from_the_last(tmp_path):
+    for seed in range(4):
+        rng = random.Random(seed)
+        caps = [rng.randint(1, 3), rng.randint(0, 3)]
+        store = TieredStore([CpuTier(caps[0]), FileTier(caps[1], tmp_path / f"f{seed}")])
+        model: list[list[int]] = [[], []]  # per tier, least recently used first
+        dropped = 0
+        for _ in range(25):
+            i = rng.randrange(12)
+            store.save(key(i), block(i))
+            moving = [i]
+            for t in range(2):
+                out = []
+                for m in moving:
+                    if m in model[t]:
+                        model[t].remove(m)
+                        model[t].append(m)
+                        continue
+                    if caps[t] == 0:
+                        out.append(m)
+                        continue
+                    while len(model[t]) >= caps[t]:
+                        out.append(model[t].pop(0))
+                    model[t].append(m)
+                moving = out
+            dropped += len(moving)
+            for t, tier in enumerate(store.tiers):
+                assert list(tier.order) == [key(m) for m in model[t]], (seed, t)
+            assert store.dropped == dropped
+        for t, tier in enumerate(store.tiers):  # what spilled is the bytes that were saved
+            assert all(torch.equal(tier.get(key(m)), block(m)) for m in model[t])
+
+
+def test_store_load_takes_the_nearest_copy_and_promotes_it(tmp_path):
+    cpu, files = CpuTier(1), FileTier(4, tmp_path / "files")
+    store = TieredStore([cpu, files])
+    store.save(key(0), block(0))
+    store.save(key(1), block(1))  # 0 spills to files
+    assert torch.equal(store.load(key(0)), block(0))
+    assert store.loads_by_tier == [0, 1] and list(cpu.order) == [key(0)] and key(1) in files
+    assert torch.equal(store.load(key(0)), block(0)) and store.loads_by_tier == [1, 1]
+    with pytest.raises(KeyError):
+        store.load(key(5))
+    with pytest.raises(InputError):
+        TieredStore([])
