@@ -168,7 +168,7 @@ def run_decode_rank(args, setup) -> LessonRun:
     engine.alloc.check()
     results = []
     for w, out in zip(items, outcomes.values()):
-        label = f"decoded here, prefilled on rank 0" if out.error is None else f"error: {out.error}"
+        label = "decoded here, prefilled on rank 0" if out.error is None else f"error: {out.error}"
         results.append(RequestResult(w.prompt_ids, out.output_ids, label=label))
     s = engine.summary()
     figures = {"role": "decode (rank 1)", "block_size": args.block_size, "blocks_total": s["blocks_total"],

@@ -6,7 +6,6 @@ a transfer held back past its deadline end only the requests concerned, within a
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
