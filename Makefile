@@ -98,6 +98,7 @@ bench: setup
 	$(PY) scripts/bench_serve.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l12.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l13.py --markdown docs/benchmarks.md
+	$(PY) scripts/bench_l14.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_bf16.py --shape-0.6b --markdown docs/benchmarks.md
 
 student-copy: setup  ## the repository without solutions, to hand out: student-copy/

@@ -261,6 +261,7 @@ class DecodeRank:
         self.lost = False
         self.blocks_received = self.bytes_received = self.blocks_already_held = 0
         self.transfer_seconds: list[float] = []
+        self.steps: list[tuple[float, int]] = []  # (seconds, tokens decoded) of each engine step
 
     # the receiver thread: every gloo call of this rank
     def _receive(self) -> None:
@@ -298,7 +299,9 @@ class DecodeRank:
             self._admit_backlog()
             self._expire(time.monotonic())
             if self.engine.scheduler.running or self.engine.scheduler.waiting:
-                self.engine.step()
+                start = time.perf_counter()
+                record = self.engine.step()
+                self.steps.append((time.perf_counter() - start, record.decode_tokens))
                 self._collect()
             elif self.stream_over and not self.pending and not self.backlog:
                 break

@@ -122,7 +122,9 @@ def run_offload(args, setup) -> LessonRun:
     s = engine.summary()
     figures = {"backend": backend, "tier": args.tier, "offload_mode": args.offload_mode, "block_size": bs,
                "blocks_total": num_blocks, "bytes_per_block": engine.pool.bytes_per_block(model.config, bs, model.dtype),
-               **{k: v for k, v in s.items() if k.startswith(("cpu_", "file_", "tokens_", "blocks_", "bytes_"))},
+               **{k: s[k] for k in ("blocks_peak_used", "blocks_free_at_end", "tokens_loaded", "blocks_loaded",
+                                    "bytes_loaded", "blocks_saved", "bytes_saved") if k in s},
+               **{k: v for k, v in s.items() if k.startswith(("cpu_", "file_")) or k == "blocks_dropped"},
                "prefill_tokens_total": s["prefill_tokens_total"], "prefill_tokens_computed": s["prefill_tokens_computed"],
                "device_hit_tokens": s["prefix_hit_tokens"] - s["tokens_loaded"],
                "cached_blocks_evicted": s["cached_blocks_evicted"],

@@ -160,7 +160,7 @@ class RecordingConnector(OffloadConnector):
                 self.checked += 1
 
 
-@pytest.mark.points(3)
+@pytest.mark.points(1)
 @pytest.mark.parametrize("tiers", ["cpu", "file", "cpu+file"])
 def test_hf_ids_with_the_tier_on_and_off_and_the_tier_saves_exactly_what_it_loads(model, hf_ids, tiers, tmp_path):
     _, off = run_two_turns(model, hf_ids, None)

@@ -300,3 +300,50 @@ def test_l13_worked_example():
     text = (LESSONS / "L13-sliding-window.md").read_text()
     table = "\n".join(rows)
     assert table in text, f"L13 §4's table should read:\n{table}"
+
+
+def test_l14_worked_example(embedded_model_dir):
+    """L14 §4: two requests prefilled in one pool and moved into another, with the lesson's
+    plan_receive, adopt and the wire's pack/unpack; the table's block ids and counts recomputed."""
+    from l5_eviction import WorkItem, load_engine_model
+    from l8_prefix import chain_keys
+    from l14_kv_transfer import KvConnector, make_offload_engine, pd
+
+    class Holding(KvConnector):  # keeps each finished request's blocks, as a send in flight does
+        def __init__(self):
+            super().__init__()
+            self.held = []
+
+        def request_finished(self, req):
+            self.held.append(req)
+            return True
+
+    def show(blocks):
+        return "[" + " ".join(map(str, blocks)) + "]"
+
+    model = load_engine_model(embedded_model_dir)
+    prefill, decode = make_offload_engine(model, 8, 4), make_offload_engine(model, 8, 4)
+    prefill.connector = prefill.scheduler.connector = Holding()
+    decode.alloc.alloc_blocks(2)  # blocks 0 and 1 in use by other requests
+    a = list(range(100, 110))
+    prefill.run([WorkItem(a, 1), WorkItem(a[:8] + [200, 201, 202], 1, arrival_step=1)])
+    rows, crossed = [], 0
+    for name, req in zip("AB", prefill.connector.held):
+        keys = chain_keys(req.prompt_ids, 4)
+        held, fresh = pd.plan_receive(decode.alloc, keys, len(req.blocks))
+        sent = req.blocks[len(held):]
+        kv = pd.unpack_blocks(decode.pool, pd.pack_blocks(prefill.pool, sent), len(fresh))
+        for row, block in enumerate(fresh):
+            pd.write_block(decode.pool, block, kv[row])
+        pd.adopt(decode, pd.Header(0, req.prompt_ids, req.output_ids[0], len(req.blocks), keys, False, 3), held + fresh)
+        holds = f"{show(held)} (k0, k1)" if held else "none"
+        rows.append(f"| {name} | {show(req.blocks)} | k0, k1 | {holds} | {show(fresh)} | "
+                    f"{', '.join(map(str, sent))} ({len(sent)} block{'s' if len(sent) > 1 else ''}) | {show(held + fresh)} |")
+        crossed += len(sent)
+    text = (LESSONS / "L14-kv-transfer.md").read_text()
+    table = "\n".join(rows)
+    assert table in text, f"L14 §4's table should read:\n{table}"
+    assert [decode.alloc.ref_count[b] for b in (2, 3)] == [2, 2]
+    per_block = pd.pack_blocks(prefill.pool, [0]).numel()
+    assert_in_lesson("L14-kv-transfer.md", f"{crossed} blocks of {n(per_block)} bytes crossed instead of 6",
+                     f"shares blocks 2 and 3 (reference counts 2 while A still runs)")
