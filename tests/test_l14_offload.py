@@ -49,6 +49,7 @@ def test_matched_tokens_continue_the_devices_run_stop_at_a_gap_and_never_reach_t
     assert conn.get_num_new_matched_tokens(req, 0) == 4 * BS
     assert conn.get_num_new_matched_tokens(req, 2 * BS) == 2 * BS  # from the device's end on
     assert conn.get_num_new_matched_tokens(req, 4 * BS) == 0  # block 4 is not stored: nothing after it counts
+    assert conn.get_num_new_matched_tokens(req, BS + 1) == 0  # hits not ending on a block: no run to continue
     store.save(keys[4], torch.zeros(1))
     assert conn.get_num_new_matched_tokens(req, 3 * BS) == 3 * BS
     # the last token's block is never loaded: with exactly 6 full blocks, 5 at most
@@ -57,6 +58,9 @@ def test_matched_tokens_continue_the_devices_run_stop_at_a_gap_and_never_reach_t
     # the same tokens after another prefix have other keys: no hit
     assert conn.get_num_new_matched_tokens(fake_request([7] + tokens[1:]), 0) == 0
     assert conn.get_num_new_matched_tokens(fake_request(tokens[:BS]), 0) == 0
+    # the device holds blocks the store does not (write-back, or the tier evicted them): the run goes on
+    later = OffloadConnector(dummy_store([keys[2], keys[3]]), BS)
+    assert later.get_num_new_matched_tokens(req, 2 * BS) == 2 * BS
 
 
 @pytest.mark.points(1)
@@ -87,11 +91,15 @@ def test_meta_saves_exactly_the_blocks_the_step_fills_that_the_store_lacks():
     chunk = fake_request(tokens, 1, cur_len=2 * BS + 2, blocks=blocks)  # to 5*BS: fills 2, 3, 4
     decode = fake_request(tokens[:3 * BS], 2, cur_len=3 * BS - 1, blocks=blocks)  # its token completes block 2
     partial = fake_request(tokens, 3, cur_len=BS + 1, blocks=blocks)  # stays inside block 1
-    meta = conn.build_connector_meta([(prefill, 2 * BS + 2), (chunk, 3 * BS - 2), (decode, 1), (partial, 2)])
+    job = LoadJob(3, [41], [keys[1]])
+    conn.pending_loads[3] = job
+    plan = [(prefill, 2 * BS + 2), (chunk, 3 * BS - 2), (decode, 1), (partial, 2)]
+    meta = conn.build_connector_meta(plan)
+    assert meta.loads == [job] and not conn.pending_loads
     assert meta.saves == [(40, keys[0]),  # block 1 is stored already
                           (42, keys[2]), (43, keys[3]), (44, keys[4]),
                           (42, keys[2])]
-    assert meta.loads == []
+    assert conn.build_connector_meta(plan).loads == []  # a promise is kept once
 
 
 @pytest.mark.points(1)

@@ -60,6 +60,10 @@ def test_plan_receive_shares_the_leading_run_it_holds_and_allocates_the_rest():
     held2, fresh2 = pd.plan_receive(alloc, other[:2], 3)
     assert held2 == [] and len(fresh2) == 3
     alloc.check()
+    before = allocator_state(alloc)  # 12 - 6 - 3 = 3 free: 3 held + 4 fresh do not fit
+    with pytest.raises(OutOfBlocksError):
+        pd.plan_receive(alloc, keys[:5], 7)
+    assert allocator_state(alloc) == before
 
 
 @pytest.mark.points(1)

@@ -39,12 +39,14 @@ def test_lru_tier_evicts_what_a_plain_lru_model_evicts_on_random_gets_and_puts(k
         rng = random.Random(seed)
         capacity = rng.randint(1, 5)
         tier, model = make_tier(kind, capacity, tmp_path), []  # model: keys, least recently used first
+        gets = puts = 0
         for _ in range(60):
             i = rng.randrange(9)
             if rng.random() < 0.4 and i in model:
                 assert torch.equal(tier.get(key(i)), block(i))
                 model.remove(i)
                 model.append(i)
+                gets += 1
                 continue
             evicted = tier.put(key(i), block(i))
             if i in model:
@@ -52,6 +54,7 @@ def test_lru_tier_evicts_what_a_plain_lru_model_evicts_on_random_gets_and_puts(k
                 model.append(i)
                 assert evicted == []
                 continue
+            puts += 1
             expected = []
             while len(model) >= capacity:
                 expected.append(model.pop(0))
@@ -59,6 +62,8 @@ def test_lru_tier_evicts_what_a_plain_lru_model_evicts_on_random_gets_and_puts(k
             assert [k for k, _ in evicted] == [key(e) for e in expected], (seed, model)
             assert all(torch.equal(kv, block(e)) for (_, kv), e in zip(evicted, expected))
             assert list(tier.order) == [key(m) for m in model] and len(tier) == len(model)
+        nbytes = block(0).numel() * 4
+        assert (tier.bytes_read, tier.bytes_written) == (gets * nbytes, puts * nbytes), seed
 
 
 @pytest.mark.points(1)
@@ -136,9 +141,11 @@ def test_store_match_is_the_nearest_tier_of_the_longest_leading_run_and_changes_
     store = TieredStore([cpu, files])
     for i in range(5):
         store.save(key(i), block(i))  # 0, 1, 2 spill to files; 3, 4 stay in memory
+    store.load(key(1))  # promoted: now in memory and still in the files; 3 went down
     before = (list(cpu.order), list(files.order), cpu.bytes_read, files.bytes_read, list(store.loads_by_tier))
-    assert store.match([key(3), key(0), key(4), key(2)]) == [0, 1, 0, 1]
-    assert store.match([key(1), key(9), key(3)]) == [1]  # stops at the first miss
+    assert store.match([key(1), key(0), key(4), key(2)]) == [0, 1, 0, 1]  # the nearest copy of key 1
+    assert store.match([key(3), key(4)]) == [1, 0]
+    assert store.match([key(2), key(9), key(3)]) == [1]  # stops at the first miss
     assert store.match([key(9), key(0)]) == [] and store.match([]) == []
     assert (list(cpu.order), list(files.order), cpu.bytes_read, files.bytes_read, list(store.loads_by_tier)) == before
 
