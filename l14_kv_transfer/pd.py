@@ -23,6 +23,7 @@ ends with an error while the ones already received finish.
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import threading
 import time
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from l1_contiguous import InputError
 from l2_paged import OutOfBlocksError, blocks_needed
 from l5_eviction import WorkItem
 from l5_eviction.lifecycle import State
@@ -61,10 +63,46 @@ class Header:
     max_new_tokens: int
 
 
-def init_group(transfer_timeout_s: float) -> None:
-    """Join the two-process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_*). A gloo
-    call gives up after 4 transfer timeouts: the decode side's own deadlines come first."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4 * transfer_timeout_s))
+@dataclass
+class DataPath:
+    """Where K/V payloads travel. gloo (the default group): through host memory, each payload with a
+    tag of its own. NCCL (a second group, one GPU per rank): device to device; NCCL has no tags, but
+    a pair's messages arrive in order and each side sends and receives them in protocol order."""
+
+    group: object = None  # None: the default (gloo) group
+    device: str = "cpu"  # where payload tensors live
+
+    def send(self, payload: torch.Tensor, peer: int, tag: int) -> None:
+        if self.group is None:
+            dist.send(payload, peer, tag=tag)
+        else:
+            dist.send(payload, peer, group=self.group)
+
+    def recv(self, payload: torch.Tensor, peer: int, tag: int) -> None:
+        if self.group is None:
+            dist.recv(payload, peer, tag=tag)
+            return
+        torch.cuda.set_device(payload.device)  # the current device is per thread
+        dist.recv(payload, peer, group=self.group)
+        torch.cuda.current_stream(payload.device).synchronize()  # arrived before anyone reads it
+
+
+def init_group(transfer_timeout_s: float, backend: str = "gloo") -> DataPath:
+    """Join the two-process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_*): gloo for
+    the control messages, and for the payloads gloo or (one GPU per rank) NCCL. A call gives up
+    after 4 transfer timeouts: the decode side's own deadlines come first."""
+    timeout = datetime.timedelta(seconds=4 * transfer_timeout_s)
+    if backend == "nccl":
+        if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "2")):
+            raise InputError("--dist-backend nccl needs one GPU per rank; with fewer use gloo (K/V staged "
+                             "through host memory)")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    elif backend != "gloo":
+        raise InputError(f"unknown --dist-backend {backend!r}; choose gloo or nccl")
+    dist.init_process_group("gloo", timeout=timeout)
+    if backend == "nccl":
+        return DataPath(dist.new_group(backend="nccl", timeout=timeout), f"cuda:{torch.cuda.current_device()}")
+    return DataPath()
 
 
 # ---------------------------------------------------------------- the wire
@@ -99,12 +137,12 @@ def recv_header(peer: int) -> Header | None:
     return Header(index, ids.tolist(), first, num_blocks, keys, bool(finished), max_new)
 
 
-def pack_blocks(pool, blocks: list[int]) -> torch.Tensor:
-    """The K/V of `blocks` as one byte tensor: [n, 2, num_layers, block_size, H_kv, D] in the
-    pool's dtype, seen as uint8 (gloo moves bytes; bf16 included)."""
+def pack_blocks(pool, blocks: list[int], device: str = "cpu") -> torch.Tensor:
+    """The K/V of `blocks` as one byte tensor on `device`: [n, 2, num_layers, block_size, H_kv, D] in
+    the pool's dtype, seen as uint8 (the wire moves bytes; bf16 included)."""
     if not blocks:
-        return torch.zeros(0, dtype=torch.uint8)
-    return torch.stack([read_block(pool, b) for b in blocks]).cpu().contiguous().view(torch.uint8).flatten()
+        return torch.zeros(0, dtype=torch.uint8, device=device)
+    return torch.stack([read_block(pool, b) for b in blocks]).to(device).contiguous().view(torch.uint8).flatten()
 
 
 def unpack_blocks(pool, payload: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -121,9 +159,10 @@ class PdSendConnector(KvConnector):
     have been sent; `get_finished` sends what is queued and names the requests whose blocks may go."""
 
     def __init__(self, pool, block_size: int, max_new_of: dict[int, int], peer: int = DECODE_RANK,
-                 stall: dict[int, float] | None = None, on_sent=None):
+                 stall: dict[int, float] | None = None, on_sent=None, data: DataPath | None = None):
         super().__init__()
         self.pool, self.block_size, self.max_new_of, self.peer = pool, block_size, max_new_of, peer
+        self.data = data or DataPath()
         self.stall = stall or {}  # request index -> seconds to wait before its K/V (a fault to inject)
         self.on_sent = on_sent  # callable(index, blocks sent, bytes sent), e.g. to print progress
         self.queued: list = []
@@ -163,9 +202,10 @@ class PdSendConnector(KvConnector):
             held = int(reply)
             if held != REFUSED:
                 missing = req.blocks[held:]
-                payload = pack_blocks(self.pool, missing)
+                payload = pack_blocks(self.pool, missing, self.data.device)
                 time.sleep(self.stall.get(req.request_id, 0))
-                dist.send(payload, self.peer, tag=PAYLOAD_BASE + req.request_id)
+                if missing:
+                    self.data.send(payload, self.peer, PAYLOAD_BASE + req.request_id)
                 self.blocks_sent += len(missing)
                 self.blocks_skipped += held
                 self.bytes_sent += payload.numel()
@@ -249,8 +289,10 @@ class DecodeOutcome:
 class DecodeRank:
     """The decode side's main loop around an engine; see the module's docstring."""
 
-    def __init__(self, engine, num_expected: int, transfer_timeout_s: float = 30.0, peer: int = PREFILL_RANK):
+    def __init__(self, engine, num_expected: int, transfer_timeout_s: float = 30.0, peer: int = PREFILL_RANK,
+                 data: DataPath | None = None):
         self.engine, self.peer, self.timeout = engine, peer, transfer_timeout_s
+        self.data = data or DataPath()
         self.outcomes = {i: DecodeOutcome(i) for i in range(num_expected)}
         self.requests: dict[int, object] = {}  # index -> engine request
         self.inbox: queue.Queue = queue.Queue()  # from the receiver thread
@@ -280,9 +322,9 @@ class DecodeRank:
                 n = header.num_blocks - held
                 block_bytes = self.engine.pool.bytes_per_block(self.engine.model.config, self.engine.alloc.block_size,
                                                                self.engine.model.dtype)
-                payload = torch.zeros(n * block_bytes, dtype=torch.uint8)
+                payload = torch.empty(n * block_bytes, dtype=torch.uint8, device=self.data.device)
                 if n:
-                    dist.recv(payload, self.peer, tag=PAYLOAD_BASE + header.index)
+                    self.data.recv(payload, self.peer, PAYLOAD_BASE + header.index)
                 self.inbox.put(("payload", header.index, payload))
         except Exception as exc:  # the prefill rank is gone (connection closed) or silent past gloo's timeout
             self.inbox.put(("lost", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))

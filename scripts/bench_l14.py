@@ -51,6 +51,7 @@ from harness.benchmark import (bench_command, bench_parser, check_bench_args, lo
                                markdown_table, print_table, replace_section, write_text_atomic)
 from harness.smoke import resolve_model_dir  # noqa: E402
 from harness.tiny_models import make_random_model  # noqa: E402
+from l1_contiguous import load_config  # noqa: E402
 from l2_paged import bytes_per_block  # noqa: E402
 from l5_eviction import WorkItem, load_engine_model  # noqa: E402
 from l14_kv_transfer import FileTier, TieredStore, make_offload_engine, make_store, pd  # noqa: E402
@@ -309,15 +310,14 @@ def main(argv=None) -> int:
         print_table(loads, LOAD_COLUMNS)
         split = pd_rows(model_dir, tmp)
         print_table(split, PD_COLUMNS + ["blocks held, not sent", "decode rank prompt tokens computed"])
-    per_block = {name: bytes_per_block(load_engine_model(d).config, BS, torch.float32) for name, d in
-                 [(model_dir.name, model_dir)]}
+    per_block = bytes_per_block(load_config(model_dir), BS, torch.float32)
     if args.json:
         write_text_atomic(args.json, json.dumps({"turns": turns, "loads": loads, "split": split}, indent=2))
     if args.markdown:
         text = (f"## L14: KV outside the pool: a tier behind it, prefill and decode apart\n\n"
                 f"{machine_line(1, load_at_start)}\n\n"
                 f"`{bench_command('bench_l14.py', sys.argv[1:] if argv is None else argv)}` on {model_dir.name} "
-                f"(float32, block size {BS}: {per_block[model_dir.name]:,} bytes per block).\n\n"
+                f"(float32, block size {BS}: {per_block:,} bytes per block).\n\n"
                 "**Second turns after other traffic** (8 conversations of 150-250 random prompt tokens and 16 new, "
                 "8 other requests, then the second turns: the first prompt, its answer and 20 tokens), pool of 48 "
                 "blocks, write-through:\n\n" + markdown_table(turns, TURN_COLUMNS)

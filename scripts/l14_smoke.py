@@ -60,6 +60,9 @@ def add_options(parser):
     parser.add_argument("--transfer-timeout", type=float, default=30.0,
                         help="two processes: seconds the decode rank waits for a transfer (or any message) "
                              "before it ends the requests concerned with an error (default 30)")
+    parser.add_argument("--dist-backend", choices=["gloo", "nccl"], default="gloo",
+                        help="two processes: how K/V payloads travel (default gloo, through host memory; nccl: "
+                             "GPU to GPU, one GPU per rank). Control messages always go over gloo")
     parser.add_argument("--stall-transfer", type=int, default=None, metavar="INDEX",
                         help="two processes, a fault to watch: the prefill rank holds request INDEX's blocks "
                              "back for --transfer-timeout + 1 s (that request ends with an error, the others pass)")
@@ -164,8 +167,8 @@ def run_decode_rank(args, setup) -> LessonRun:
     check_options(args)
     items = pd_workload(args, setup)
     engine = pd_engine(args, setup, items)
-    pd.init_group(args.transfer_timeout)
-    rank = pd.DecodeRank(engine, len(items), args.transfer_timeout)
+    data = pd.init_group(args.transfer_timeout, args.dist_backend)
+    rank = pd.DecodeRank(engine, len(items), args.transfer_timeout, data=data)
     outcomes = rank.run()
     engine.alloc.check()
     results = []
@@ -199,9 +202,9 @@ def run_prefill_rank(argv=None) -> int:
         def sent(index, blocks, total):
             print(f"rank 0: sent request {index} ({blocks} blocks in its table; {total} bytes sent so far)", flush=True)
 
+        data = pd.init_group(args.transfer_timeout, args.dist_backend)
         engine = pd_engine(args, setup, items, lambda e: pd.PdSendConnector(e.pool, args.block_size, max_new,
-                                                                            stall=stall, on_sent=sent))
-        pd.init_group(args.transfer_timeout)
+                                                                            stall=stall, on_sent=sent, data=data))
         try:
             figures = pd.run_prefill_rank(engine, items)
         except pd.PeerLostError as exc:

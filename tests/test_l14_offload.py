@@ -6,7 +6,6 @@ block equal bit for bit to what was stored, bytes moved = blocks x bytes per blo
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,8 +16,8 @@ from l1_contiguous import InputError
 from l2_paged import bytes_per_block
 from l5_eviction import WorkItem, load_engine_model
 from l8_prefix import chain_keys, make_prefix_engine
-from l14_kv_transfer import (CpuTier, FileTier, LoadJob, OffloadConnector, TieredStore, make_offload_engine, make_store,
-                             read_block)
+from l14_kv_transfer import CpuTier, FileTier, OffloadConnector, TieredStore, make_offload_engine, make_store
+from probes_l14 import RecordingConnector, connector_state, fail_next_forward, fake_request, use_connector
 
 pytestmark = [pytest.mark.l14, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -31,10 +30,6 @@ def dummy_store(keys: list[bytes], tiers: int = 1) -> TieredStore:
     for k in keys:
         store.save(k, torch.zeros(1))
     return store
-
-
-def fake_request(tokens: list[int], request_id: int = 0, cur_len: int = 0, blocks=None):
-    return SimpleNamespace(tokens=tokens, request_id=request_id, cur_len=cur_len, blocks=blocks or [])
 
 
 # ---------------------------------------------------------------- the scheduler side
@@ -72,12 +67,10 @@ def test_matched_tokens_change_nothing_and_see_every_tier(tmp_path):
     for k in keys:
         store.save(k, torch.ones(2))  # the first two spill to the files
     conn = OffloadConnector(store, BS)
-    state = lambda: (list(cpu.order), list(files.order), cpu.bytes_read, files.bytes_read, list(store.loads_by_tier),
-                     dict(conn.pending_loads), vars(conn.counters).copy())
-    before = state()
+    before = connector_state(conn)
     for _ in range(3):
         assert conn.get_num_new_matched_tokens(fake_request(tokens), 0) == 3 * BS
-    assert state() == before
+    assert connector_state(conn) == before
 
 
 @pytest.mark.points(4)
@@ -91,11 +84,12 @@ def test_meta_saves_exactly_the_blocks_the_step_fills_that_the_store_lacks():
     chunk = fake_request(tokens, 1, cur_len=2 * BS + 2, blocks=blocks)  # to 5*BS: fills 2, 3, 4
     decode = fake_request(tokens[:3 * BS], 2, cur_len=3 * BS - 1, blocks=blocks)  # its token completes block 2
     partial = fake_request(tokens, 3, cur_len=BS + 1, blocks=blocks)  # stays inside block 1
-    job = LoadJob(3, [41], [keys[1]])
-    conn.pending_loads[3] = job
+    # request 3 was admitted with 2 blocks present, the second from the store: block 41 gets key 1
+    conn.update_state_after_alloc(fake_request(tokens, 3, cur_len=2 * BS, blocks=blocks), BS)
     plan = [(prefill, 2 * BS + 2), (chunk, 3 * BS - 2), (decode, 1), (partial, 2)]
     meta = conn.build_connector_meta(plan)
-    assert meta.loads == [job] and not conn.pending_loads
+    assert [(j.request_id, list(j.blocks), list(j.keys)) for j in meta.loads] == [(3, [41], [keys[1]])]
+    assert not conn.pending_loads
     assert meta.saves == [(40, keys[0]),  # block 1 is stored already
                           (42, keys[2]), (43, keys[3]), (44, keys[4]),
                           (42, keys[2])]
@@ -105,14 +99,16 @@ def test_meta_saves_exactly_the_blocks_the_step_fills_that_the_store_lacks():
 @pytest.mark.points(1)
 def test_meta_hands_over_the_promised_loads_of_planned_requests_only_and_write_back_saves_nothing():
     conn = OffloadConnector(dummy_store([]), BS, mode="write-back")
-    jobs = {rid: LoadJob(rid, [rid], [bytes([rid]) * 16]) for rid in (5, 6)}
-    conn.pending_loads.update(jobs)
     tokens = random_prompt(3 * BS, VOCAB, seed=4)
-    meta = conn.build_connector_meta([(fake_request(tokens, 5, cur_len=BS, blocks=[1, 2, 3]), 2 * BS)])
-    assert meta.loads == [jobs[5]] and meta.saves == []  # write-back: saved when evicted, not when full
-    assert conn.pending_loads == {6: jobs[6]}
-    again = conn.build_connector_meta([(fake_request(tokens, 5, cur_len=BS, blocks=[1, 2, 3]), 1)])
-    assert again.loads == []  # handed over once
+    keys = chain_keys(tokens, BS)
+    for rid in (5, 6):  # each admitted with its first block from the store
+        conn.update_state_after_alloc(fake_request(tokens, rid, cur_len=BS, blocks=[rid, 7, 8]), BS)
+    meta = conn.build_connector_meta([(fake_request(tokens, 5, cur_len=BS, blocks=[5, 7, 8]), 2 * BS)])
+    assert [(j.request_id, list(j.blocks), list(j.keys)) for j in meta.loads] == [(5, [5], [keys[0]])]
+    assert list(meta.saves) == []  # write-back: saved when evicted, not when full
+    assert sorted(conn.pending_loads) == [6]
+    again = conn.build_connector_meta([(fake_request(tokens, 5, cur_len=BS, blocks=[5, 7, 8]), 1)])
+    assert list(again.loads) == []  # handed over once
 
 
 # ---------------------------------------------------------------- whole workloads
@@ -154,20 +150,6 @@ def run_two_turns(model, hf_ids, store, mode="write-through", num_blocks=16, **k
     return engine, s
 
 
-class RecordingConnector(OffloadConnector):
-    """Checks each load right after it: the pool's block equals what the store held, bit for bit."""
-
-    checked = 0
-
-    def start_load_kv(self, meta, pool):
-        super().start_load_kv(meta, pool)
-        for job in meta.loads:
-            for block, key in zip(job.blocks, job.keys):
-                stored = next(t for t in self.store.tiers if key in t)._read(key)
-                assert torch.equal(read_block(pool, block).view(torch.uint8), stored.view(torch.uint8))
-                self.checked += 1
-
-
 @pytest.mark.points(1)
 @pytest.mark.parametrize("tiers", ["cpu", "file", "cpu+file"])
 def test_hf_ids_with_the_tier_on_and_off_and_the_tier_saves_exactly_what_it_loads(model, hf_ids, tiers, tmp_path):
@@ -193,10 +175,10 @@ def test_every_loaded_block_equals_the_stored_one_bit_for_bit(model, hf_ids, tmp
     store = make_store(3, 64, tmp_path / "files")
     connector = RecordingConnector(store, BS)
     engine = make_offload_engine(model, 16, BS, store=None)
-    engine.connector = engine.scheduler.connector = connector
+    use_connector(engine, connector)
     firsts, traffic = conversations()
     engine.run([WorkItem(p, NEW, arrival_step=i) for i, p in enumerate(firsts + traffic + firsts)])
-    assert connector.checked == connector.counters.blocks_loaded > 0
+    assert connector.checked == connector.counters.blocks_loaded > 0 and connector.differed == 0
 
 
 @pytest.mark.points(1)
@@ -211,21 +193,12 @@ def test_hf_ids_when_a_preempted_request_comes_back_through_the_tier(model, hf_i
     assert s["preempted_recompute"] > 0 and s["tokens_loaded"] > 0
 
 
-def test_a_step_that_fails_after_its_loads_is_rolled_back_and_runs_again(model, hf_ids, monkeypatch):
+def test_a_step_that_fails_after_its_loads_is_rolled_back_and_runs_again(model, hf_ids):
     engine = make_offload_engine(model, 16, BS, store=make_store(64))
     firsts, traffic = conversations()
     engine.run([WorkItem(p, NEW) for p in firsts + traffic])
     engine.add_request(WorkItem(firsts[0], NEW))
-    forward = engine.runner.forward_logits
-    calls = []
-
-    def fail_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("injected")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "forward_logits", fail_once)
+    fail_next_forward(engine)
     loaded = engine.connector.counters.tokens_loaded
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()

@@ -6,29 +6,22 @@ a transfer held back past its deadline end only the requests concerned, within a
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from harness import hf_reference as hf
 from helpers import random_prompt
 from l2_paged import OutOfBlocksError
-from l5_eviction import WorkItem, load_engine_model
+from l5_eviction import WorkItem
 from l8_prefix import PrefixBlockAllocator, chain_keys
-from l14_kv_transfer import KvConnector, make_offload_engine
+from l14_kv_transfer import make_offload_engine
 from l14_kv_transfer import pd
+from probes_l14 import HoldingConnector, kill_prefill_rank, torchrun_smoke, use_connector
+from test_l14_offload import hf_ids, model  # noqa: F401 - the same fixtures: the tiny model and HF's ids for it
 
 pytestmark = [pytest.mark.l14, pytest.mark.usefixtures("one_torch_thread")]
 
-ROOT = Path(__file__).resolve().parent.parent
 BS = 4
 VOCAB = 512
 
@@ -92,42 +85,17 @@ def test_plan_receive_is_all_or_nothing_when_the_pool_is_short():
 
 # ---------------------------------------------------------------- one process, two pools
 
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    return load_engine_model(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf_ids(tiny_model_dir):
-    hf_model = hf.load_hf_model(str(tiny_model_dir))
-    return functools.lru_cache(maxsize=None)(lambda prompt, n: tuple(hf.hf_greedy(hf_model, list(prompt), n)))
-
-
-class HoldingConnector(KvConnector):
-    """Keeps every finished request's blocks until the test has moved them (as a send would)."""
-
-    def __init__(self):
-        super().__init__()
-        self.held, self.released = [], set()
-
-    def request_finished(self, req) -> bool:
-        self.held.append(req)
-        return True
-
-    def get_finished(self) -> set[int]:
-        return self.released
-
-
 def transfer_in_process(prefill, decode, prompts: list[list[int]], new: int) -> tuple[list, list[int], list]:
     """What the two ranks do, without the wire: prefill each prompt, move its blocks, adopt it."""
-    connector = prefill.connector = prefill.scheduler.connector = HoldingConnector()
+    connector = HoldingConnector()
+    use_connector(prefill, connector)
     prefill.run([WorkItem(p, 1) for p in prompts])
     moved, adopted, tables = [], [], []
     for req in connector.held:
         keys = chain_keys(req.prompt_ids, BS)
         held, fresh = pd.plan_receive(decode.alloc, keys, len(req.blocks))
-        payload = pd.pack_blocks(prefill.pool, req.blocks[len(held):])
-        kv = pd.unpack_blocks(decode.pool, payload.clone(), len(fresh))
+        payload = pd.pack_blocks(prefill.pool, list(req.blocks)[len(held):])
+        kv = pd.unpack_blocks(decode.pool, payload, len(fresh))
         for row, block in enumerate(fresh):
             pd.write_block(decode.pool, block, kv[row])
         header = pd.Header(req.request_id, req.prompt_ids, req.output_ids[0], len(req.blocks), keys, False, new)
@@ -175,20 +143,14 @@ def test_adopt_registers_the_keys_and_a_first_token_that_ends_the_request_ends_i
 
 # ---------------------------------------------------------------- two processes
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def last_json(text: str):
+    lines = [line for line in text.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
 
 
-def torchrun(argv: list[str], timeout: float = 240) -> tuple[int, str, dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(ROOT / "scripts" / "l14_smoke.py"),
-                           "--max-new-tokens", "8", "--json", *argv],
-                          capture_output=True, text=True, timeout=timeout, env=env)
-    report = next((json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), None)
-    return done.returncode, done.stdout + done.stderr, report
+def torchrun(argv: list[str]) -> tuple[int, str, dict]:
+    done = torchrun_smoke(["--max-new-tokens", "8", "--json", *argv])
+    return done["status"], done["stdout"] + done["stderr"], last_json(done["stdout"])
 
 
 @pytest.mark.points(2)
@@ -214,34 +176,25 @@ def test_a_transfer_held_past_its_deadline_ends_only_its_request():
     assert "transfer timed out" in output and time.monotonic() - start < 120
 
 
-def test_a_killed_prefill_rank_ends_what_it_owed_and_the_decode_rank_finishes_the_rest(tmp_path):
+def test_a_killed_prefill_rank_ends_what_it_owed_and_the_decode_rank_finishes_the_rest():
     """Ranks started by hand (torchrun would take the decode rank down with the dead one)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    argv = [sys.executable, str(ROOT / "scripts" / "l14_smoke.py"), "--max-new-tokens", "8", "--json",
-            "--transfer-timeout", "20"]
-    decode = subprocess.Popen(argv, env={**env, "RANK": "1", "LOCAL_RANK": "1"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    prefill = subprocess.Popen(argv, env={**env, "RANK": "0", "LOCAL_RANK": "0"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    try:
-        seen = []
-        for line in prefill.stdout:
-            seen.append(line)
-            if line.startswith("rank 0: sent request 1"):
-                prefill.send_signal(signal.SIGKILL)
-                break
-        killed_at = time.monotonic()
-        out, err = decode.communicate(timeout=120)
-    finally:
-        for proc in (prefill, decode):
-            if proc.poll() is None:
-                proc.kill()
-    assert time.monotonic() - killed_at < 60, "the decode rank waited for a dead rank"
-    report = json.loads(out.strip().splitlines()[-1])
-    assert decode.returncode == 1 and report["all_blocks_free_at_end"], err[-2000:]
+    run = kill_prefill_rank(["--max-new-tokens", "8", "--json", "--transfer-timeout", "20"], "rank 0: sent request 1")
+    assert run["killed"], "".join(run["prefill_lines"])[-2000:]
+    assert run["seconds_after_kill"] < 60, "the decode rank waited for a dead rank"
+    report = last_json(run["stdout"])
+    assert run["status"] == 1 and report is not None and report["all_blocks_free_at_end"], run["stderr"][-2000:]
     finished = [r for r in report["requests"] if r["match"]]
     assert len(finished) >= 2 and all(r["ids"] for r in finished)  # requests 0 and 1 were sent before the kill
     lost = [r for r in report["requests"] if not r["match"]]
     assert lost and all(r["ids"] == [] for r in lost) and report["errors"] == len(lost)
-    assert "lost the prefill rank" in out
+    assert "lost the prefill rank" in run["stdout"]
+
+
+def test_a_prompt_the_decode_rank_holds_whole_moves_no_block():
+    """Two prompts of exactly two full blocks: the second finds both on the decode side, and its
+    transfer is the header and the reply only (no empty payload waiting for a receive)."""
+    ids = ",".join(str(i) for i in range(100, 132))
+    status, output, report = torchrun(["--prompt-ids", ids, "--prompt-ids", ids])
+    assert status == 0 and report is not None and report["match"] is True, output[-3000:]
+    assert report["blocks_received"] == 2 and report["blocks_already_held"] == 2
+    assert report["decode_prefill_tokens_computed"] == 0 and report["all_blocks_free_at_end"]
