@@ -46,7 +46,7 @@ live requests each step, see tests/test_l5_invariants.py); L8's five files 124/1
 graded files 39/39 in 27 s (a step and the tables it left are one request: tests/probes_l13.py);
 a fresh student copy 0/163 for L8 and L13 together; L11's graded files 26/26 in 23 s (the server,
 its engine thread and what changes that thread run in the worker: tests/probes_l11.py; the HTTP
-clients and every check in the judge), a fresh copy 0/26. Not yet: the notebooks (a kernel would have to import the harness first). A test interrupted while the worker
+clients and every check in the judge), a fresh copy 0/26; L14's graded files 42/42 in 19 s (the stand-in requests, the connectors that watch a step, the folders the tiers write and the two-process runs are made in the worker: tests/probes_l14.py), a fresh copy 0/42. Not yet: the notebooks (a kernel would have to import the harness first). A test interrupted while the worker
 runs (its time limit) stops the worker, and pytest stops after that test (Endpoint.stop): the
 runner goes on with the remaining tests and a new worker.
 """

@@ -5,11 +5,14 @@ runs. They record and return plain data and judge nothing: every check is the te
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +28,14 @@ SMOKE = ROOT / "scripts" / "l14_smoke.py"
 def fake_request(tokens: list[int], request_id: int = 0, cur_len: int = 0, blocks=None):
     """What the connector's scheduler side reads of a request, and nothing more."""
     return SimpleNamespace(tokens=list(tokens), request_id=request_id, cur_len=cur_len, blocks=list(blocks or []))
+
+
+def scratch_folder() -> str:
+    """A new folder the student's code may write (under the judge: made by the worker, as its user;
+    removed when the process ends)."""
+    folder = tempfile.mkdtemp(prefix="l14-test-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def connector_state(connector) -> dict:

@@ -18,6 +18,7 @@ from l5_eviction import WorkItem, load_engine_model
 from l8_prefix import chain_keys, make_prefix_engine
 from l14_kv_transfer import CpuTier, FileTier, OffloadConnector, TieredStore, make_offload_engine, make_store
 from probes_l14 import RecordingConnector, connector_state, fail_next_forward, fake_request, use_connector
+from test_l14_tiers import tier_dir  # noqa: F401 - a folder the student's code may write
 
 pytestmark = [pytest.mark.l14, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -59,10 +60,10 @@ def test_matched_tokens_continue_the_devices_run_stop_at_a_gap_and_never_reach_t
 
 
 @pytest.mark.points(1)
-def test_matched_tokens_change_nothing_and_see_every_tier(tmp_path):
+def test_matched_tokens_change_nothing_and_see_every_tier(tier_dir):
     tokens = random_prompt(3 * BS + 1, VOCAB, seed=2)
     keys = chain_keys(tokens, BS)
-    cpu, files = CpuTier(1), FileTier(4, tmp_path / "files")
+    cpu, files = CpuTier(1), FileTier(4, tier_dir / "files")
     store = TieredStore([cpu, files])
     for k in keys:
         store.save(k, torch.ones(2))  # the first two spill to the files
@@ -152,11 +153,11 @@ def run_two_turns(model, hf_ids, store, mode="write-through", num_blocks=16, **k
 
 @pytest.mark.points(1)
 @pytest.mark.parametrize("tiers", ["cpu", "file", "cpu+file"])
-def test_hf_ids_with_the_tier_on_and_off_and_the_tier_saves_exactly_what_it_loads(model, hf_ids, tiers, tmp_path):
+def test_hf_ids_with_the_tier_on_and_off_and_the_tier_saves_exactly_what_it_loads(model, hf_ids, tiers, tier_dir):
     _, off = run_two_turns(model, hf_ids, None)
     cpu = {"cpu": 64, "file": 0, "cpu+file": 3}[tiers]
-    store = make_store(cpu, 0 if tiers == "cpu" else 64, tmp_path / "files") if cpu else \
-        TieredStore([FileTier(64, tmp_path / "files")])
+    store = make_store(cpu, 0 if tiers == "cpu" else 64, tier_dir / "files") if cpu else \
+        TieredStore([FileTier(64, tier_dir / "files")])
     engine, on = run_two_turns(model, hf_ids, store)
     per_block = bytes_per_block(model.config, BS, model.dtype)
     assert on["tokens_loaded"] > 0 and on["tokens_loaded"] == on["blocks_loaded"] * BS
@@ -171,8 +172,8 @@ def test_hf_ids_with_write_back_which_saves_only_what_the_pool_evicts(model, hf_
     assert 0 < s["blocks_saved"] <= s["cached_blocks_evicted"] and s["tokens_loaded"] > 0
 
 
-def test_every_loaded_block_equals_the_stored_one_bit_for_bit(model, hf_ids, tmp_path):
-    store = make_store(3, 64, tmp_path / "files")
+def test_every_loaded_block_equals_the_stored_one_bit_for_bit(model, hf_ids, tier_dir):
+    store = make_store(3, 64, tier_dir / "files")
     connector = RecordingConnector(store, BS)
     engine = make_offload_engine(model, 16, BS, store=None)
     use_connector(engine, connector)

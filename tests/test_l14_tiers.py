@@ -5,12 +5,14 @@ pools use; the store's spill chain and its side-effect-free `match`; the file ti
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from l1_contiguous import InputError
 from l14_kv_transfer import CpuTier, FileTier, TieredStore
+from probes_l14 import scratch_folder
 
 pytestmark = [pytest.mark.l14]
 
@@ -25,8 +27,14 @@ def block(i: int, dtype=torch.float32) -> torch.Tensor:
     return (torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).view(SHAPE) + 1000 * i).to(dtype)
 
 
-def make_tier(kind: str, capacity: int, tmp_path) -> CpuTier | FileTier:
-    return CpuTier(capacity) if kind == "cpu" else FileTier(capacity, tmp_path / f"tier-{random.random()}")
+@pytest.fixture
+def tier_dir() -> Path:
+    """A folder the tiers under test may write (under the judge, the worker's own, not tier_dir)."""
+    return Path(scratch_folder())
+
+
+def make_tier(kind: str, capacity: int, folder: Path) -> CpuTier | FileTier:
+    return CpuTier(capacity) if kind == "cpu" else FileTier(capacity, folder / f"tier-{random.random()}")
 
 
 KINDS = ["cpu", "file"]
@@ -34,11 +42,11 @@ KINDS = ["cpu", "file"]
 
 @pytest.mark.points(2)
 @pytest.mark.parametrize("kind", KINDS)
-def test_lru_tier_evicts_what_a_plain_lru_model_evicts_on_random_gets_and_puts(kind, tmp_path):
+def test_lru_tier_evicts_what_a_plain_lru_model_evicts_on_random_gets_and_puts(kind, tier_dir):
     for seed in range(6):
         rng = random.Random(seed)
         capacity = rng.randint(1, 5)
-        tier, model = make_tier(kind, capacity, tmp_path), []  # model: keys, least recently used first
+        tier, model = make_tier(kind, capacity, tier_dir), []  # model: keys, least recently used first
         gets = puts = 0
         for _ in range(60):
             i = rng.randrange(9)
@@ -68,8 +76,8 @@ def test_lru_tier_evicts_what_a_plain_lru_model_evicts_on_random_gets_and_puts(k
 
 @pytest.mark.points(1)
 @pytest.mark.parametrize("kind", KINDS)
-def test_lru_tier_get_refreshes_and_counts_bytes(kind, tmp_path):
-    tier = make_tier(kind, 2, tmp_path)
+def test_lru_tier_get_refreshes_and_counts_bytes(kind, tier_dir):
+    tier = make_tier(kind, 2, tier_dir)
     nbytes = block(0).numel() * 4
     tier.put(key(0), block(0))
     tier.put(key(1), block(1))
@@ -85,20 +93,20 @@ def test_lru_tier_get_refreshes_and_counts_bytes(kind, tmp_path):
 
 
 @pytest.mark.points(1)
-def test_lru_tier_of_capacity_0_hands_every_block_back(tmp_path):
+def test_lru_tier_of_capacity_0_hands_every_block_back(tier_dir):
     for kind in KINDS:
-        tier = make_tier(kind, 0, tmp_path)
+        tier = make_tier(kind, 0, tier_dir)
         evicted = tier.put(key(3), block(3))
         assert [k for k, _ in evicted] == [key(3)] and torch.equal(evicted[0][1], block(3)) and len(tier) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8])
-def test_the_file_tier_gives_back_the_stored_bits(dtype, tmp_path):
+def test_the_file_tier_gives_back_the_stored_bits(dtype, tier_dir):
     raw = torch.randint(-128, 127, SHAPE, dtype=torch.int8) if dtype is torch.int8 else \
         torch.randn(SHAPE).to(dtype)
     if dtype.is_floating_point and dtype.itemsize >= 2:
         raw.view(-1)[0] = float("nan")
-    tier = FileTier(4, tmp_path / "files")
+    tier = FileTier(4, tier_dir / "files")
     tier.put(key(1), raw)
     back = tier.get(key(1))
     assert back.dtype == dtype and back.shape == raw.shape
@@ -113,31 +121,31 @@ def test_the_cpu_tier_keeps_a_copy_not_the_pools_tensor():
     assert torch.equal(tier.get(key(0)), block(0))
 
 
-def test_a_cut_file_is_an_error_never_data_and_a_temporary_file_is_no_block(tmp_path):
-    tier = FileTier(4, tmp_path / "files")
+def test_a_cut_file_is_an_error_never_data_and_a_temporary_file_is_no_block(tier_dir):
+    tier = FileTier(4, tier_dir / "files")
     tier.put(key(0), block(0))
     path = tier.path(key(0))
     path.write_bytes(path.read_bytes()[:-5])
     with pytest.raises(OSError, match="header says"):
         tier.get(key(0))
-    (tmp_path / "files" / (key(1).hex() + ".tmp")).write_bytes(b"half")
+    (tier_dir / "files" / (key(1).hex() + ".tmp")).write_bytes(b"half")
     assert key(1) not in tier
     tier.clear()
     assert not path.exists() and len(tier) == 0
 
 
 @pytest.mark.parametrize("capacity", [-1, 1.5, True, "4"])
-def test_a_bad_capacity_or_folder_is_one_clear_error(capacity, tmp_path):
+def test_a_bad_capacity_or_folder_is_one_clear_error(capacity, tier_dir):
     with pytest.raises(InputError, match="capacity"):
         CpuTier(capacity)
-    (tmp_path / "afile").write_text("x")
+    (tier_dir / "afile").write_text("x")
     with pytest.raises(InputError, match="is a file"):
-        FileTier(2, tmp_path / "afile")
+        FileTier(2, tier_dir / "afile")
 
 
 @pytest.mark.points(3)
-def test_store_match_is_the_nearest_tier_of_the_longest_leading_run_and_changes_nothing(tmp_path):
-    cpu, files = CpuTier(2), FileTier(8, tmp_path / "files")
+def test_store_match_is_the_nearest_tier_of_the_longest_leading_run_and_changes_nothing(tier_dir):
+    cpu, files = CpuTier(2), FileTier(8, tier_dir / "files")
     store = TieredStore([cpu, files])
     for i in range(5):
         store.save(key(i), block(i))  # 0, 1, 2 spill to files; 3, 4 stay in memory
@@ -151,11 +159,11 @@ def test_store_match_is_the_nearest_tier_of_the_longest_leading_run_and_changes_
 
 
 @pytest.mark.points(4)
-def test_store_save_spills_each_tiers_evictions_one_tier_down_and_drops_from_the_last(tmp_path):
+def test_store_save_spills_each_tiers_evictions_one_tier_down_and_drops_from_the_last(tier_dir):
     for seed in range(4):
         rng = random.Random(seed)
         caps = [rng.randint(1, 3), rng.randint(0, 3)]
-        store = TieredStore([CpuTier(caps[0]), FileTier(caps[1], tmp_path / f"f{seed}")])
+        store = TieredStore([CpuTier(caps[0]), FileTier(caps[1], tier_dir / f"f{seed}")])
         model: list[list[int]] = [[], []]  # per tier, least recently used first
         dropped = 0
         for _ in range(25):
@@ -184,8 +192,8 @@ def test_store_save_spills_each_tiers_evictions_one_tier_down_and_drops_from_the
             assert all(torch.equal(tier.get(key(m)), block(m)) for m in model[t])
 
 
-def test_store_load_takes_the_nearest_copy_and_promotes_it(tmp_path):
-    cpu, files = CpuTier(1), FileTier(4, tmp_path / "files")
+def test_store_load_takes_the_nearest_copy_and_promotes_it(tier_dir):
+    cpu, files = CpuTier(1), FileTier(4, tier_dir / "files")
     store = TieredStore([cpu, files])
     store.save(key(0), block(0))
     store.save(key(1), block(1))  # 0 spills to files

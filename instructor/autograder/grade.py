@@ -90,7 +90,7 @@ MAX_SLOWDOWN = 8.0
 # the grader's own process and a tree the worker cannot read; the student's code in a worker
 # process, as the unprivileged user, answering with plain data. The notebooks still run inside the
 # worker (below): they run in a kernel of their own (issue 36).
-JUDGED_LESSONS = ("l1", "l2", "l3", "l5", "l8", "l10", "l11", "l12", "l13")
+JUDGED_LESSONS = ("l1", "l2", "l3", "l5", "l8", "l10", "l11", "l12", "l13", "l14")
 MAX_JUDGED_ROUNDS = 50  # a judged part restarted after a test its time limit stopped, at most this often
 # Only code that works against the grader needs these in a lesson package.
 SUSPICIOUS = {
