@@ -1201,6 +1201,16 @@ def install_from_environment() -> Endpoint | None:
     return ENDPOINT
 
 
+def kernel_command() -> list[str] | None:
+    """Under the judge, the argv of a Jupyter kernel spec whose kernel runs where the worker runs
+    (the worker's user, limits and tree): tests/test_notebooks.py drives it from the judge's
+    process, and the verdict (every cell ran, a picture came back) is made there. None otherwise."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return None
+    return [*json.loads(spec), "--kernel", "{connection_file}"]
+
+
 def serve(read_fd: int, write_fd: int) -> None:
     """The worker's loop: answer the judge's requests until it closes the channel."""
     endpoint = Endpoint(Channel(os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")), "worker")

@@ -118,7 +118,7 @@ class CpuTier(LruTier):
 class FileTier(LruTier):
     """Blocks as files `<folder>/<key hex>.kv`: a small header (dtype, shape) then the raw bytes.
     Written to a temporary name and renamed, so a crash mid-write never leaves a file that reads
-    as a block; a file whose size disagrees with its header is a miss, never data."""
+    as a block; a file whose size disagrees with its header raises OSError, never gives data."""
 
     name = "file"
 

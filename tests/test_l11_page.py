@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from helpers import load_script
+from probes_l11 import slow_steps
 from l11_serve import Server, build_server
 from serve_helpers import TIMEOUT_S, wait_idle
 
@@ -36,6 +37,9 @@ def headline(dom: str, name: str) -> str:
                                             "where it may: apt-get install chromium)")
 def test_page_shows_blocks_in_use_while_a_request_streams_and_all_free_after(embedded_model_dir):
     app, loop, _ = build_server(embedded_model_dir, num_blocks=64, block_size=16)
+    # The request must still stream while the browser starts and draws (seconds on a loaded machine):
+    # each step waits 50 ms, so its 900 tokens would take 45 s; the test hangs up long before.
+    slow_steps(loop, 0.05)
     with Server(app) as url:
         started, stop = threading.Event(), threading.Event()
 

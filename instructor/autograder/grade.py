@@ -21,8 +21,10 @@ results.json:
    with plain data only; every assertion, the HF oracle and the reports stay with the grader. A
    test stopped by its time limit while the student's code ran stops that worker; the tests not
    yet run go on with a new one.
+   The notebooks of judged lessons run the same way: pytest and nbclient in the grader's process,
+   each notebook's cells in a Jupyter kernel that this file starts as the worker (`--kernel`).
 4. Other parts: pytest itself runs in the worker, as the unprivileged user, tests and student code
-   in one process (the judge is not yet used for them: see JUDGED_LESSONS).
+   in one process (the lessons not in JUDGED_LESSONS).
 5. Every worker runs as the unprivileged user (always, when this runs as root, as on Gradescope:
    if that is impossible nothing is run and the instructor is told), in its own session, with
    limits on memory, processes, file size and core dumps. The scratch copy (tests, harness) is
@@ -88,8 +90,9 @@ CALIBRATION_REFERENCE_S = 0.11
 MAX_SLOWDOWN = 8.0
 # Lessons whose graded tests run judged (harness/judge.py): pytest, the tests and the HF oracle in
 # the grader's own process and a tree the worker cannot read; the student's code in a worker
-# process, as the unprivileged user, answering with plain data. The notebooks still run inside the
-# worker (below): they run in a kernel of their own (issue 36).
+# process, as the unprivileged user, answering with plain data. A lesson's notebook runs in a kernel
+# started as the worker is (`--worker SETTINGS --kernel CONNECTION_FILE`), driven from the grader's
+# pytest, which decides from the kernel's replies whether every cell ran and a picture was drawn.
 JUDGED_LESSONS = ("l1", "l2", "l3", "l5", "l8", "l10", "l11", "l12", "l13", "l14")
 MAX_JUDGED_ROUNDS = 50  # a judged part restarted after a test its time limit stopped, at most this often
 # Only code that works against the grader needs these in a lesson package.
@@ -417,9 +420,10 @@ def split_parts(manifest: dict, select: list[str]) -> list[Part]:
         files.setdefault(nodeid.split("::")[0], []).append(test)
     hidden_files = set(manifest.get("hidden_files", []))
     parts = {name: Part(name, [], judged=name.startswith("judged"))
-             for name in ("judged tests", "tests", "notebooks", "judged hidden tests", "hidden tests")}
+             for name in ("judged tests", "tests", "judged notebooks", "notebooks", "judged hidden tests",
+                          "hidden tests")}
     for file, its_tests in sorted(files.items()):
-        judged = all(t["lesson"] in JUDGED_LESSONS and not t.get("notebook") for t in its_tests)
+        judged = all(t["lesson"] in JUDGED_LESSONS for t in its_tests)
         name = ("hidden tests" if file in hidden_files
                 else "notebooks" if all(t.get("notebook") for t in its_tests) else "tests")
         parts[f"judged {name}" if judged else name].files.append(file)
@@ -576,6 +580,7 @@ def launch_worker(settings: dict, fds: list[str]) -> None:
     become the unprivileged user in a session of its own, under the worker's limits, then serve
     the judge's requests over the two pipes (python -m harness.judge) from the student's tree."""
     user = settings.get("user")
+    kernel_file = worker_kernel_file(fds[1], settings["env"]["HOME"], user) if fds[:1] == ["--kernel"] else None
     if user is not None:
         os.setsid()  # its own session, all of it killed after the part
     limit_worker(int(settings["memory_mb"]), user is not None)()
@@ -587,7 +592,21 @@ def launch_worker(settings: dict, fds: list[str]) -> None:
             raise SystemExit("the worker could not leave root; nothing of the student's runs")
     os.chdir(settings["tree"])
     python = settings["python"]
+    if fds[:1] == ["--kernel"]:  # a notebook's kernel (tests/test_notebooks.py under the judge)
+        os.execve(python, [python, "-m", "ipykernel_launcher", "-f", kernel_file], settings["env"])
     os.execve(python, [python, "-m", "harness.judge", *fds], settings["env"])
+
+
+def worker_kernel_file(connection_file: str, home: str, user) -> str:
+    """A copy, in the worker's home and its user's, of the connection file the judge's Jupyter wrote
+    in the grader's runtime folder (which the worker cannot read): ports and the key the kernel
+    signs its messages with, which the student's code in it knows anyway."""
+    copy = Path(home) / f"kernel-{os.getpid()}.json"
+    copy.write_text(Path(connection_file).read_text())
+    if user is not None:
+        os.chown(copy, int(user[0]), int(user[1]))
+    copy.chmod(0o600)
+    return str(copy)
 
 
 def main() -> int:
