@@ -438,6 +438,27 @@ def test_attacks_on_the_machine_and_the_reports_are_contained_and_earn_nothing(b
     assert not [pid for pid in bombs if alive(pid)], "processes of the fork bomb outlived the grading"
 
 
+def test_a_notebooks_cells_run_as_the_worker_and_its_verdict_is_the_graders(bundle, tmp_path):
+    """A lesson's notebook runs in a kernel started as the worker: the student's code in it has the
+    worker's user (never the grader's), and the solution's notebook earns its 2 points from the
+    kernel's replies, judged in the grader's pytest (a fresh copy's notebooks earn 0: the whole-grade
+    test)."""
+    notes = Path(tempfile.mkdtemp(prefix="kernel-"))
+    notes.chmod(0o777)
+    whoami = f"import os as _os\nopen({str(notes / 'uid')!r}, 'a').write(f'{{_os.getuid()}} {{_os.getppid()}}\\n')\n"
+    select = "tests/test_notebooks.py::test_notebook_executes_and_draws[L1_contiguous]"
+    honest = run_bundle(bundle, submit(tmp_path / "honest", ROOT, edits={
+        "l1_contiguous/__init__.py": ("\n__all__", f"\n{whoami}__all__")}), tmp_path / "honest", select=select,
+        pytest_args="-k L1_contiguous")  # the part runs its whole file: only this notebook, to keep it short
+    assert honest["score"] == 2, honest["log"][-2000:]
+    uids = {int(line.split()[0]) for line in note_of(notes / "uid").split("\n") if line}
+    if os.geteuid() == 0:  # as root the worker is autograder-student; otherwise it is this user
+        import pwd
+        assert uids == {pwd.getpwnam("autograder-student").pw_uid}, uids
+    else:
+        assert uids == {os.getuid()}, uids
+
+
 def test_symlinks_devices_and_oversized_files_in_the_upload_are_skipped_and_named(bundle, tmp_path):
     submission = submit(tmp_path, ROOT)
     package = submission / "my-work" / "l1_contiguous"

@@ -581,7 +581,7 @@ def launch_worker(settings: dict, fds: list[str]) -> None:
     the judge's requests over the two pipes (python -m harness.judge) from the student's tree."""
     user = settings.get("user")
     kernel_file = worker_kernel_file(fds[1], settings["env"]["HOME"], user) if fds[:1] == ["--kernel"] else None
-    if user is not None:
+    if user is not None and os.getsid(0) != os.getpid():  # (a kernel's launcher made it one already)
         os.setsid()  # its own session, all of it killed after the part
     limit_worker(int(settings["memory_mb"]), user is not None)()
     if user is not None:
