@@ -48,6 +48,13 @@ HEADER_LEN = 8
 REFUSED = -1  # the decode side's reply when the request can never fit its pool
 
 
+def short_reason(exc: BaseException) -> str:
+    """gloo's error in one short line: its first sentence, without the source path in brackets."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    text = text.split(". This is typically")[0]
+    return f"{type(exc).__name__}: {text.split('] ', 1)[-1] if text.startswith('[') else text}"
+
+
 class PeerLostError(RuntimeError):
     """The other rank closed the connection or did not answer in time."""
 
@@ -185,8 +192,8 @@ class PdSendConnector(KvConnector):
         try:
             self._send(req)
         except RuntimeError as exc:  # gloo: connection closed, or no answer within its timeout
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise PeerLostError(f"lost the decode rank while sending request {req.request_id} ({first})") from None
+            raise PeerLostError(f"lost the decode rank while sending request {req.request_id} "
+                                f"({short_reason(exc)})") from None
 
     def _send(self, req) -> None:
         start = time.perf_counter()
@@ -327,7 +334,7 @@ class DecodeRank:
                     self.data.recv(payload, self.peer, PAYLOAD_BASE + header.index)
                 self.inbox.put(("payload", header.index, payload))
         except Exception as exc:  # the prefill rank is gone (connection closed) or silent past gloo's timeout
-            self.inbox.put(("lost", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+            self.inbox.put(("lost", short_reason(exc)))
 
     def run(self) -> dict[int, DecodeOutcome]:
         threading.Thread(target=self._receive, daemon=True).start()
