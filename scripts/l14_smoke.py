@@ -58,8 +58,9 @@ def add_options(parser):
     parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
                         help="decode attention (default: kernel on CUDA, the cpu kernel or gather on CPU)")
     parser.add_argument("--transfer-timeout", type=float, default=30.0,
-                        help="two processes: seconds the decode rank waits for a transfer (or any message) "
-                             "before it ends the requests concerned with an error (default 30)")
+                        help="two processes: seconds the decode rank waits for a transfer's K/V before it ends "
+                             "that request with an error (default 30); a rank that goes silent without closing "
+                             "its connection is given up after 4 times that")
     parser.add_argument("--dist-backend", choices=["gloo", "nccl"], default="gloo",
                         help="two processes: how K/V payloads travel (default gloo, through host memory; nccl: "
                              "GPU to GPU, one GPU per rank). Control messages always go over gloo")
