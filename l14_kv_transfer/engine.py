@@ -42,9 +42,7 @@ class OffloadBlockAllocator(PrefixBlockAllocator):
 
 
 class OffloadScheduler(PrefixScheduler):
-    def __init__(self, *args, connector: KvConnector, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.connector = connector
+    connector: KvConnector  # the engine's, set when it makes its scheduler
 
     def _attach_cached_prefix(self, req: OffloadRequest) -> int:
         hits = super()._attach_cached_prefix(req)
@@ -67,16 +65,16 @@ class OffloadEngine(PrefixEngine):
 
     def __init__(self, model, pool, alloc, connector: KvConnector | None = None, **kwargs):
         self.connector = connector or KvConnector()
-        if not kwargs.get("prefix_sharing", True) and not type(self.connector) is KvConnector:
+        if not kwargs.get("prefix_sharing", True) and type(self.connector) is not KvConnector:
             raise InputError("a connector finds blocks by their prefix keys: turn prefix sharing on")
         self.delayed: dict[int, OffloadRequest] = {}  # finished, blocks kept for the connector
         super().__init__(model, pool, alloc, **kwargs)
         alloc.on_evict = lambda block, key: self.connector.on_device_evict(block, key, self.pool)
 
     def _make_scheduler(self, policy, prefill_chunk, watermark_blocks):
-        return self.scheduler_cls(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks,
-                                  pool=self.pool, sharing=self.sharing, counters=self.prefix,
-                                  max_prefix_hold=self.max_prefix_hold, connector=self.connector)
+        scheduler = super()._make_scheduler(policy, prefill_chunk, watermark_blocks)
+        scheduler.connector = self.connector
+        return scheduler
 
     def step(self):
         record = super().step()

@@ -229,11 +229,7 @@ def prefill_items(items: list[WorkItem]) -> list[WorkItem]:
 def run_prefill_rank(engine, items: list[WorkItem]) -> dict:
     """Prefill every item on `engine` (an OffloadEngine whose connector is a PdSendConnector),
     sending each as it finishes; then the end of the stream. Figures for the report."""
-    for item in prefill_items(items):
-        engine.add_request(item)
-    while engine.has_unfinished() or engine.delayed:
-        engine._skip_idle_steps()
-        engine.step()
+    engine.run(prefill_items(items))  # each step ends with its finished requests sent (OffloadEngine.step)
     connector = engine.connector
     send_end(connector.peer)
     return {"blocks_sent": connector.blocks_sent, "blocks_not_sent_already_held": connector.blocks_skipped,
@@ -314,6 +310,8 @@ class DecodeRank:
 
     # the receiver thread: every gloo call of this rank
     def _receive(self) -> None:
+        engine = self.engine
+        block_bytes = engine.pool.bytes_per_block(engine.model.config, engine.alloc.block_size, engine.model.dtype)
         try:
             while True:
                 header = recv_header(self.peer)
@@ -327,8 +325,6 @@ class DecodeRank:
                 if held == REFUSED:
                     continue
                 n = header.num_blocks - held
-                block_bytes = self.engine.pool.bytes_per_block(self.engine.model.config, self.engine.alloc.block_size,
-                                                               self.engine.model.dtype)
                 payload = torch.empty(n * block_bytes, dtype=torch.uint8, device=self.data.device)
                 if n:
                     self.data.recv(payload, self.peer, PAYLOAD_BASE + header.index)
@@ -340,7 +336,8 @@ class DecodeRank:
         threading.Thread(target=self._receive, daemon=True).start()
         while True:
             try:
-                message = self.inbox.get(timeout=0 if self._busy() else 0.01)
+                # decoding: take only what is there; idle: wait a little for the next message
+                message = self.inbox.get(timeout=0 if self.engine.scheduler.running else 0.01)
                 self._handle(message)
                 continue
             except queue.Empty:
@@ -359,9 +356,6 @@ class DecodeRank:
             if outcome.finish_reason is None:
                 outcome.finish_reason, outcome.error = "error", "the prefill rank never sent it"
         return self.outcomes
-
-    def _busy(self) -> bool:
-        return bool(self.engine.scheduler.running)
 
     def _handle(self, message) -> None:
         kind = message[0]
