@@ -9,11 +9,12 @@ results.json:
    symlinks, devices, pipes and bigger files are skipped, never followed, and named. Which
    packages were graded, which were not found and which files were skipped goes into results.json's
    top-level `output`, which the student sees.
-2. The tests run in parts: the judged tests, the other visible tests, the notebooks, and the
+2. The tests run in parts, the short ones first: the notebooks (few tests, each slow), the
    hidden test files (instructor/hidden_tests/), which are in a scratch tree only during their own
-   part, so no visible output can carry their source. Each part has two planted canary tests with
-   random names, which must fail, and its share of the whole run's time limit; a part that is cut
-   off costs only its own unfinished tests.
+   part, so no visible output can carry their source, then the judged tests and the other visible
+   tests. Each part has two planted canary tests with random names, which must fail. A part runs
+   until its tests end or the whole run's time limit is reached; a run cut off by it loses only the
+   tests not yet run (the tail of the long part), each reported as not run and why.
 3. Judged parts (the lessons in JUDGED_LESSONS): pytest runs as the grader, in a tree of the
    bundle's own files that the worker cannot read (hidden tests included), with KVCOURSE_JUDGE set
    (harness/judge.py): it never imports the student's packages. They run in a worker this file
@@ -49,7 +50,8 @@ only what its own functions return.
 Settings (environment): AUTOGRADER_ROOT (/autograder), AUTOGRADER_SOURCE ($ROOT/source),
 AUTOGRADER_SUBMISSION ($ROOT/submission), AUTOGRADER_RESULTS ($ROOT/results/results.json),
 AUTOGRADER_PYTHON (the python that runs pytest), AUTOGRADER_TIME_LIMIT (seconds for all parts
-together, default 3000), AUTOGRADER_TEST_TIMEOUT (seconds per test on an idle machine, default
+together, default 2280: below Gradescope's longest assignment timeout, 40 minutes, so that what
+finished is written before the platform stops the run), AUTOGRADER_TEST_TIMEOUT (seconds per test on an idle machine, default
 180), AUTOGRADER_MEMORY_MB (address space per worker process, default 8192), AUTOGRADER_SELECT
 (node-id prefixes: grade only those tests, to try the bundle on a part), AUTOGRADER_PYTEST_ARGS,
 AUTOGRADER_WORKER_USER (default autograder-student; when not run as root the worker runs as the
@@ -88,6 +90,9 @@ MAX_FILE_BYTES = 1 << 30  # the largest file a worker process may write
 # The calibration workload and its median time on an idle 2-core machine of the course's kind.
 CALIBRATION_REFERENCE_S = 0.11
 MAX_SLOWDOWN = 8.0
+# Gradescope stops an assignment's run after its timeout, at most 40 minutes, and then shows nothing:
+# the runner stops two minutes before, so the tests that finished still count.
+DEFAULT_TIME_LIMIT_S = 38 * 60
 # Lessons whose graded tests run judged (harness/judge.py): pytest, the tests and the HF oracle in
 # the grader's own process and a tree the worker cannot read; the student's code in a worker
 # process, as the unprivileged user, answering with plain data. A lesson's notebook runs in a kernel
@@ -413,15 +418,17 @@ class Part:
 
 
 def split_parts(manifest: dict, select: list[str]) -> list[Part]:
-    """Visible tests, notebooks, hidden test files: the files of each, in the order they run."""
+    """Notebooks, hidden test files, visible tests: the files of each, in the order they run."""
     tests = {n: t for n, t in manifest["tests"].items() if not select or n.startswith(tuple(select))}
     files: dict[str, list[dict]] = {}
     for nodeid, test in tests.items():
         files.setdefault(nodeid.split("::")[0], []).append(test)
     hidden_files = set(manifest.get("hidden_files", []))
+    # Short parts first: a run cut off by the time limit loses the tail of the long part, never
+    # the notebooks or the hidden tests wholesale.
     parts = {name: Part(name, [], judged=name.startswith("judged"))
-             for name in ("judged tests", "tests", "judged notebooks", "notebooks", "judged hidden tests",
-                          "hidden tests")}
+             for name in ("judged notebooks", "notebooks", "judged hidden tests", "hidden tests", "judged tests",
+                          "tests")}
     for file, its_tests in sorted(files.items()):
         judged = all(t["lesson"] in JUDGED_LESSONS for t in its_tests)
         name = ("hidden tests" if file in hidden_files
@@ -615,7 +622,7 @@ def main() -> int:
     submission = Path(os.environ.get("AUTOGRADER_SUBMISSION", root / "submission"))
     results = Path(os.environ.get("AUTOGRADER_RESULTS", root / "results" / "results.json"))
     python = os.environ.get("AUTOGRADER_PYTHON", str(root / "venv" / "bin" / "python"))
-    time_limit = float(os.environ.get("AUTOGRADER_TIME_LIMIT", 3000))
+    time_limit = float(os.environ.get("AUTOGRADER_TIME_LIMIT", DEFAULT_TIME_LIMIT_S))
     base_timeout = float(os.environ.get("AUTOGRADER_TEST_TIMEOUT", 180))
     memory_mb = int(os.environ.get("AUTOGRADER_MEMORY_MB", 8192))
     select = os.environ.get("AUTOGRADER_SELECT", "").split()
@@ -688,6 +695,9 @@ def main() -> int:
                 run_part(part, copy, work, manifest, python, user, remaining, test_timeout, memory_mb)
             print(f"== {part.name}: {len(part.files)} files, {part.seconds:.0f} s, pytest exit status {part.status}")
             print(part.log if not hidden else "(the hidden tests' output is not shown)")
+            if hidden:  # gone before the visible parts run, which must not read them
+                for file in part.files:
+                    ((judge_tree if part.judged else copy) / file).unlink(missing_ok=True)
     finally:
         os.chmod(source, source_mode)
 
