@@ -642,3 +642,19 @@ def test_a_canary_never_run_is_a_forgery_sign_only_where_the_worker_writes_the_r
         assert part.forged() == ([] if judged else [last])
         part.outcomes[last] = {"setup": "passed", "call": "passed"}
         assert part.forged() == [last]  # reported passed: forged wherever the report came from
+
+
+def test_the_short_parts_run_first_and_the_run_stops_before_gradescope_does():
+    """A run cut off by its time limit loses the tail of the long judged part, never the notebooks
+    (slow one by one, few) or the hidden tests wholesale; the default limit ends the run before
+    Gradescope's longest timeout (40 minutes), after which nothing the run did is shown."""
+    grade = load_script_at(ROOT / "instructor" / "autograder" / "grade.py")
+    manifest = {"tests": {"tests/test_l1_model.py::test_a": {"lesson": "l1"},
+                          "tests/test_notebooks.py::test_notebook_executes_and_draws[L1_contiguous]":
+                              {"lesson": "l1", "notebook": True},
+                          "tests/test_l1_hidden.py::test_h": {"lesson": "l1"},
+                          "tests/test_x_unjudged.py::test_u": {"lesson": "l99"}},
+                "hidden_files": ["tests/test_l1_hidden.py"]}
+    parts = grade.split_parts(manifest, [])
+    assert [p.name for p in parts] == ["judged notebooks", "judged hidden tests", "judged tests", "tests"]
+    assert grade.DEFAULT_TIME_LIMIT_S < 40 * 60
