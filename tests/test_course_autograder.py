@@ -7,6 +7,7 @@ the slow variants grade everything."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -91,6 +92,7 @@ def worker_python() -> str | None:
     if not system.is_file():
         return None
     venv = Path(tempfile.mkdtemp(prefix="autograder-python-"))
+    atexit.register(shutil.rmtree, venv, ignore_errors=True)  # one per test process, gone with it
     subprocess.run([str(system), "-m", "venv", "--without-pip", str(venv)], check=True)
     (site_packages,) = venv.glob("lib/python*/site-packages")
     (site_packages / "course_env.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
