@@ -51,9 +51,10 @@ Settings (environment): AUTOGRADER_ROOT (/autograder), AUTOGRADER_SOURCE ($ROOT/
 AUTOGRADER_SUBMISSION ($ROOT/submission), AUTOGRADER_RESULTS ($ROOT/results/results.json),
 AUTOGRADER_PYTHON (the python that runs pytest), AUTOGRADER_TIME_LIMIT (seconds for all parts
 together, default 2280: below Gradescope's longest assignment timeout, 40 minutes, so that what
-finished is written before the platform stops the run), AUTOGRADER_TEST_TIMEOUT (seconds per test on an idle machine, default
-180), AUTOGRADER_MEMORY_MB (address space per worker process, default 8192), AUTOGRADER_SELECT
-(node-id prefixes: grade only those tests, to try the bundle on a part), AUTOGRADER_PYTEST_ARGS,
+finished is written before the platform stops the run), AUTOGRADER_TEST_TIMEOUT (seconds per
+test on an idle machine, default 180), AUTOGRADER_MEMORY_MB (address space per worker process,
+default 8192), AUTOGRADER_SELECT (node-id prefixes: grade only those tests, to try the bundle on
+a part), AUTOGRADER_PYTEST_ARGS,
 AUTOGRADER_WORKER_USER (default autograder-student; when not run as root the worker runs as the
 current user, without that separation, which is only for trying the bundle locally).
 """
