@@ -38,17 +38,21 @@ code produced, as any reply is; the judge's own arithmetic (expected ids, finger
 in the judge.
 
 Status (2026-11-27): the Gradescope runner (instructor/autograder/grade.py) judges every lesson's
-tests (JUDGED_LESSONS there) and their notebooks; measured judged on the solution: L1-L3's graded tests 115/115,
-L10 19/19 (100 s; 13 s in one process), L12 22/22; L2's allocator file 4 s (1.4 s in one process);
-L5 through the bundle 184/184 points (its four files 442 s; the 300-request soaks check only the
-live requests each step, see tests/test_l5_invariants.py); L8's five files 124/124 points in 118 s
-(its property tests run half their random examples judged: tests/helpers.py `budget`); L13's
-graded files 39/39 in 27 s (a step and the tables it left are one request: tests/probes_l13.py);
-a fresh student copy 0/163 for L8 and L13 together; L11's graded files 26/26 in 23 s (the server,
-its engine thread and what changes that thread run in the worker: tests/probes_l11.py; the HTTP
-clients and every check in the judge), a fresh copy 0/26; L14's graded files 42/42 in 19 s (the stand-in requests, the connectors that watch a step, the folders the tiers write and the two-process runs are made in the worker: tests/probes_l14.py), a fresh copy 0/42; the ten notebooks 20/20 in 86 s, a fresh copy 0/20 (each runs in a Jupyter kernel started as the worker: `kernel_command`; nbclient and the verdict stay in the judge). A test interrupted while the worker
-runs (its time limit) stops the worker, and pytest stops after that test (Endpoint.stop): the
-runner goes on with the remaining tests and a new worker.
+tests (JUDGED_LESSONS there) and their notebooks; measured judged on the solution: L1-L3's graded
+tests 115/115, L10 19/19 (100 s; 13 s in one process), L12 22/22; L2's allocator file 4 s (1.4 s in
+one process); L5 through the bundle 184/184 points (its four files 442 s; the 300-request soaks
+check only the live requests each step, see tests/test_l5_invariants.py); L8's five files 124/124
+points in 118 s (its property tests run half their random examples judged: tests/helpers.py
+`budget`); L13's graded files 39/39 in 27 s (a step and the tables it left are one request:
+tests/probes_l13.py); a fresh student copy 0/163 for L8 and L13 together; L11's graded files 26/26
+in 23 s (the server, its engine thread and what changes that thread run in the worker:
+tests/probes_l11.py; the HTTP clients and every check in the judge), a fresh copy 0/26; L14's graded
+files 42/42 in 19 s (the stand-in requests, the connectors that watch a step, the folders the tiers
+write and the two-process runs are made in the worker: tests/probes_l14.py), a fresh copy 0/42; the
+ten notebooks 20/20 in 86 s, a fresh copy 0/20 (each runs in a Jupyter kernel started as the worker:
+`kernel_command`; nbclient and the verdict stay in the judge). A test interrupted while the worker
+runs (its time limit) stops the worker, and pytest stops after that test (Endpoint.stop): the runner
+goes on with the remaining tests and a new worker.
 """
 
 from __future__ import annotations

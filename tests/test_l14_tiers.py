@@ -29,7 +29,8 @@ def block(i: int, dtype=torch.float32) -> torch.Tensor:
 
 @pytest.fixture
 def tier_dir() -> Path:
-    """A folder the tiers under test may write (under the judge, the worker's own, not tier_dir)."""
+    """A folder the tiers under test may write: made where the student's code runs (under the
+    judge, by the worker as its user; pytest's tmp_path is the grader's)."""
     return Path(scratch_folder())
 
 

@@ -586,8 +586,10 @@ def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manife
 def launch_worker(settings: dict, fds: list[str]) -> None:
     """`grade.py --worker SETTINGS READ_FD WRITE_FD`, the judge's command for its worker: as root,
     become the unprivileged user in a session of its own, under the worker's limits, then serve
-    the judge's requests over the two pipes (python -m harness.judge) from the student's tree."""
+    the judge's requests over the two pipes (python -m harness.judge) from the student's tree.
+    `--worker SETTINGS --kernel CONNECTION_FILE`: the same, then a notebook's Jupyter kernel."""
     user = settings.get("user")
+    # a notebook's kernel (tests/test_notebooks.py under the judge): its connection file copied first
     kernel_file = worker_kernel_file(fds[1], settings["env"]["HOME"], user) if fds[:1] == ["--kernel"] else None
     if user is not None and os.getsid(0) != os.getpid():  # (a kernel's launcher made it one already)
         os.setsid()  # its own session, all of it killed after the part
@@ -600,7 +602,7 @@ def launch_worker(settings: dict, fds: list[str]) -> None:
             raise SystemExit("the worker could not leave root; nothing of the student's runs")
     os.chdir(settings["tree"])
     python = settings["python"]
-    if fds[:1] == ["--kernel"]:  # a notebook's kernel (tests/test_notebooks.py under the judge)
+    if kernel_file is not None:
         os.execve(python, [python, "-m", "ipykernel_launcher", "-f", kernel_file], settings["env"])
     os.execve(python, [python, "-m", "harness.judge", *fds], settings["env"])
 
