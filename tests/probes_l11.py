@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 from l5_eviction import State
+from probes import Recorded
 
 
 def load_tokenizer(model_dir):
@@ -90,3 +91,23 @@ def admit(engine, request_id: int, req) -> None:
     """A stand-in engine gains a running request (its dicts and lists stay in this process)."""
     engine.requests[request_id] = req
     engine.scheduler.running.append(req)
+
+
+class CountingTokenizer:
+    """The model's tokenizer, with every `decode` call's number of ids recorded (in the process of
+    the StopMatcher that calls it): how a test sees that each token costs the decode of a few ids,
+    not of the whole output."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, Recorded()
+
+    def decode(self, ids, *args, **kwargs):
+        self.decoded.append(len(ids))
+        return self.tokenizer.decode(ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def counting_tokenizer(model_dir) -> CountingTokenizer:
+    return CountingTokenizer(load_tokenizer(model_dir))

@@ -111,3 +111,40 @@ def test_half_a_character_is_never_sent(tok, matcher_tok):
     pieces = [matcher.feed([i]) for i in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == "naïve — “quoted" and matcher.stopped
+
+
+# ---------------------------------------------------------------- incremental detokenization (issue 53)
+
+
+def random_ids(tok, rng: random.Random, n: int) -> list[int]:
+    """n ids, half of them pieces of multi-byte characters (their own text is U+FFFD), so that
+    characters are split between tokens, left incomplete at the end, or never completed."""
+    pieces = [i for i in range(len(tok)) if REPLACEMENT in tok.decode([i])]
+    return [rng.choice(pieces) if rng.random() < 0.5 else rng.randrange(len(tok)) for _ in range(n)]
+
+
+REPLACEMENT = "\ufffd"
+
+
+def test_the_streamed_text_is_the_whole_decode_for_random_ids(tok, matcher_tok):
+    """Whatever the ids (random, split multi-byte characters, special ids), the pieces `feed`
+    returns and `flush` then equal decoding every id at once."""
+    rng = random.Random(53)
+    for trial in range(120):
+        ids = random_ids(tok, rng, rng.randint(1, 50))
+        matcher = StopMatcher(matcher_tok, [])
+        pieces = feed_in_chunks(matcher, ids, rng) + [matcher.flush()]
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True), ids
+        assert all(REPLACEMENT not in p for p in pieces[:-1]) or REPLACEMENT in tok.decode(ids[:-1]), ids
+
+
+def test_each_token_costs_a_bounded_decode_however_long_the_output(tok, embedded_model_dir):
+    """1,500 tokens fed one by one: every decode call gets at most a few ids (a window of context
+    plus the unread ones), not the whole output, so the 1,500th token costs what the 10th did."""
+    counting = probes_l11.counting_tokenizer(embedded_model_dir)
+    ids = (tok.encode(PASSAGE, add_special_tokens=False) * 40)[:1500]
+    matcher = StopMatcher(counting, ["Amen."])  # never found: every token is searched and sent
+    text = "".join(matcher.feed([t]) for t in ids) + matcher.flush()
+    assert text == tok.decode(ids)
+    decoded = list(counting.decoded)
+    assert len(decoded) <= 2 * len(ids) + 2 and max(decoded) <= 12, (len(decoded), max(decoded))
