@@ -2,7 +2,7 @@
 #                make run | make smoke-l2 | make check-l2 | make notebooks | make lab | make test
 # An instructor: make student-copy | make autograder
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # torch is installed only when the environment cannot import one (an existing build, CPU or CUDA,
@@ -10,13 +10,16 @@ STAMP  := $(VENV)/.installed
 # (about 0.2 GB instead of several GB of CUDA libraries), and where that index cannot be reached
 # (a machine that reaches PyPI only) it says so in one line and takes torch from the default index.
 # TORCH_BUILD=cuda asks for the CUDA build; TORCH_BUILD=cpu for the CPU build even with a GPU.
-# ISOLATED=1 makes .venv without the system's site-packages (CI does: nothing installed by hand on
-# a machine can then hide a missing step); by default an already-installed torch is reused.
+# .venv sees the system's site-packages only where $(PYTHON) can already import torch (that build,
+# CPU or CUDA, is then kept); everywhere else it is self-contained, everything installed inside it,
+# so that nothing it needs lies in a folder other users cannot enter (a Python under /root, as
+# pyenv or conda install it for root): the grader's worker user must be able to run it.
+# ISOLATED=1 always leaves the system's packages out (CI's second pass does: nothing installed by
+# hand can then hide a missing step); ISOLATED=0 always lets them in.
 TORCH  ?= torch==2.13.0
 TORCH_BUILD ?= auto
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-ISOLATED ?=
-VENV_FLAGS := $(if $(filter 1 yes true,$(ISOLATED)),,--system-site-packages)
+ISOLATED ?= auto
 # Every lesson package at the root (l1_contiguous/ ...): adding a lesson adds its targets.
 LESSONS := $(sort $(foreach p,$(wildcard l[0-9]*_*/__init__.py),$(firstword $(subst _, ,$(p)))))
 
@@ -24,7 +27,7 @@ LESSONS := $(sort $(foreach p,$(wildcard l[0-9]*_*/__init__.py),$(firstword $(su
 	$(addprefix smoke-,$(LESSONS)) $(addprefix check-,$(LESSONS))
 
 run: setup          ## every lesson's smoke script: PASS lines
-	@for s in scripts/l*_smoke.py; do echo "== $$s"; $(PY) $$s || exit 1; done
+	@for s in $$(ls scripts/l*_smoke.py | sort -V); do echo "== $$s"; $(PY) $$s || exit 1; done
 
 # The suite runs in JOBS processes (pytest-xdist), each test file whole in one of them (its
 # module fixtures, a bundle or a model, are built once). JOBS=1 runs it in this process.
@@ -75,7 +78,10 @@ endif
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "make setup: $(PYTHON) is \
 	older than Python 3.11, which transformers 5.22 needs; give a newer one: make setup PYTHON=python3.12" >&2; exit 2; }
-	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	@case "$(ISOLATED)" in 1|yes|true) flags= ;; 0|no|false) flags=--system-site-packages ;; \
+	  *) if $(PYTHON) -c 'import torch' 2>/dev/null; then flags=--system-site-packages; \
+	     echo "make setup: $(PYTHON) has torch already; .venv keeps it (with the system's packages)"; else flags=; fi ;; esac; \
+	  echo "$(PYTHON) -m venv $$flags $(VENV)"; $(PYTHON) -m venv $$flags $(VENV)
 	TORCH="$(TORCH)" TORCH_BUILD="$(TORCH_BUILD)" TORCH_CPU_INDEX="$(TORCH_CPU_INDEX)" \
 		$(PYTHON) scripts/install_torch.py --python $(PY)
 	$(PY) -m pip install -e ".[dev]"

@@ -8,7 +8,6 @@ the slow variants grade everything."""
 from __future__ import annotations
 
 import atexit
-import functools
 import json
 import os
 import shutil
@@ -80,43 +79,23 @@ def submit(tmp_path: Path, packages_from: Path, folder: str = "my-work", edits: 
     return submission
 
 
-@functools.lru_cache(maxsize=None)
-def worker_python() -> str | None:
-    """The python the grader runs the tests with. Not root: this one (the worker runs as the current
-    user). Root: the worker runs as an unprivileged user, which cannot enter a python under /root (this
-    machine's); then a venv of a system python of the same version, seeing this environment's packages
-    through a .pth file, or None when there is none (the test is skipped)."""
-    if os.geteuid() != 0:
-        return sys.executable
-    system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
-    if not system.is_file():
-        return None
-    venv = Path(tempfile.mkdtemp(prefix="autograder-python-"))
-    atexit.register(shutil.rmtree, venv, ignore_errors=True)  # one per test process, gone with it
-    subprocess.run([str(system), "-m", "venv", "--without-pip", str(venv)], check=True)
-    (site_packages,) = venv.glob("lib/python*/site-packages")
-    (site_packages / "course_env.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
-    for here, _, files in os.walk(venv):
-        os.chmod(here, 0o755)
-    return str(venv / "bin" / "python")
-
-
 def run_bundle(root: Path, submission: Path, tmp_path: Path, select: str | None = FAST, **settings) -> dict:
-    """results.json of run_autograder on `submission`, plus its "log" (stdout) and "seconds"."""
-    python = worker_python()
-    if python is None:
-        pytest.skip("as root the worker runs as autograder-student, which cannot run this python (under /root) "
-                    "and no system python of the same version was found")
+    """results.json of run_autograder on `submission`, plus its "log" (stdout) and "seconds".
+    Skipped, with the grader's reason, where the grader refuses to grade on this machine (as root,
+    the worker's user can run neither this python nor a system one over its packages)."""
     results = tmp_path / "results" / "results.json"
     env = {**os.environ, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SUBMISSION": str(submission),
-           "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": python, "AUTOGRADER_SELECT": select or "",
+           "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": sys.executable, "AUTOGRADER_SELECT": select or "",
            **{f"AUTOGRADER_{k.upper()}": str(v) for k, v in settings.items()}}
     env.pop("PYTHONPATH", None)  # the scratch copy must be what is imported, as on Gradescope
     start = time.monotonic()
     run = subprocess.run([str(root / "source" / "run_autograder")], env=env, capture_output=True,
                          text=True, timeout=3600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    return {**json.loads(results.read_text()), "log": run.stdout, "seconds": time.monotonic() - start}
+    graded = json.loads(results.read_text())
+    if "refused" in graded.get("extra_data", {}):
+        pytest.skip(f"the grader cannot run the worker on this machine: {graded['extra_data']['refused']}")
+    return {**graded, "log": run.stdout, "seconds": time.monotonic() - start}
 
 
 def scores(results: dict) -> dict[str, float]:
@@ -309,11 +288,16 @@ def test_patching_the_grader_from_a_stub_submission_earns_nothing_and_is_flagged
 @pytest.mark.skipif(os.geteuid() != 0, reason="the worker switches to an unprivileged user only when run as root")
 def test_the_worker_runs_as_a_user_that_cannot_write_the_results(bundle, tmp_path):
     grade = load_script_at(bundle / "source" / "grade.py")
-    if worker_python() is None:
-        pytest.skip("no python here that the worker user can run")
-    user = grade.worker_user(worker_python())
+    user = grade.worker_user()
+    work = Path(tempfile.mkdtemp(prefix="autograder-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
+    work.chmod(0o711)
+    try:
+        python = grade.worker_python(sys.executable, user, work)
+    except grade.Refused as exc:
+        pytest.skip(f"the grader cannot run the worker on this machine: {exc}")
     probe = "import os, sys; open(sys.argv[1], 'w')"
-    run = subprocess.run([worker_python(), "-c", probe, str(tmp_path / "results.json")],
+    run = subprocess.run([python, "-c", probe, str(tmp_path / "results.json")],
                          user=user[0], group=user[1], extra_groups=[], capture_output=True, text=True)
     assert run.returncode != 0 and "PermissionError" in run.stderr
 

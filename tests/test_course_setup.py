@@ -1,7 +1,7 @@
 """The set-up's torch step (scripts/install_torch.py, run by `make setup` and the autograder's
 setup.sh) on a machine that reaches PyPI but not PyTorch's CPU index: it must still succeed, say
-so in one line, and never wait on pip's retries. The full set-up without the system's
-site-packages is what `.ci/run` itself does (`make setup ISOLATED=1`)."""
+so in one line, and never wait on pip's retries. The full set-up, as the README prints it and
+without the system's site-packages, is what `.ci/run` itself does."""
 
 from __future__ import annotations
 
@@ -99,12 +99,27 @@ def test_an_importable_torch_is_kept():
     assert run.returncode == 0 and "already importable: kept" in run.stdout, run.stdout + run.stderr
 
 
+def readme_commands() -> list[str]:
+    """The commands of the README's getting-started and grading blocks, comments cut."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Getting started")
+    block = readme[readme.index("```", start) + 3:]
+    block = block[:block.index("```")]
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+
+
 def test_the_set_up_paths_call_the_installer():
-    """The Makefile and the autograder's setup.sh both go through the installer, and CI builds the
-    environment without the system's site-packages before the README's test command."""
+    """The Makefile and the autograder's setup.sh both go through the installer; CI runs the
+    README's commands exactly as printed, then a second environment without the system's
+    site-packages."""
     makefile = (ROOT / "Makefile").read_text()
     assert "scripts/install_torch.py" in makefile and "--index-url" not in makefile
     setup_sh = (ROOT / "instructor" / "autograder" / "setup.sh").read_text()
     assert "scripts/install_torch.py" in setup_sh and "--index-url" not in setup_sh
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert "make setup ISOLATED=1" in ci and "make test" in ci
+    ci = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    commands = readme_commands()
+    assert commands[:2] == ["make setup", "source .venv/bin/activate"], commands
+    for command in [*commands, "make test"]:
+        assert command in ci, f"{command!r} (the README's) is not a line of .ci/run"
+    assert ci.index("make setup") < ci.index("make test")
+    assert "make run VENV=.venv-isolated ISOLATED=1" in ci

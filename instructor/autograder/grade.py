@@ -49,7 +49,8 @@ only what its own functions return.
 
 Settings (environment): AUTOGRADER_ROOT (/autograder), AUTOGRADER_SOURCE ($ROOT/source),
 AUTOGRADER_SUBMISSION ($ROOT/submission), AUTOGRADER_RESULTS ($ROOT/results/results.json),
-AUTOGRADER_PYTHON (the python that runs pytest), AUTOGRADER_TIME_LIMIT (seconds for all parts
+AUTOGRADER_PYTHON (the python that runs pytest; the worker runs it too where its user can, else
+`worker_python` gives it one), AUTOGRADER_TIME_LIMIT (seconds for all parts
 together, default 2280: below Gradescope's longest assignment timeout, 40 minutes, so that what
 finished is written before the platform stops the run), AUTOGRADER_TEST_TIMEOUT (seconds per
 test on an idle machine, default 180), AUTOGRADER_MEMORY_MB (address space per worker process,
@@ -212,10 +213,10 @@ def plant_canaries(tests_dir: Path, lesson: str) -> list[str]:
     return nodeids
 
 
-def worker_user(python: str) -> tuple[int, int] | None:
+def worker_user() -> tuple[int, int] | None:
     """(uid, gid) of the unprivileged user the worker runs as, created if needed; None when this
     process is not root (a local try: the worker runs as the current user). As root, Refused when
-    no such user can run the tests: the student's code never runs as root."""
+    there is no such user: the student's code never runs as root."""
     if os.geteuid() != 0:
         return None
     if not WORKER_USER or WORKER_USER == "root":
@@ -233,20 +234,48 @@ def worker_user(python: str) -> tuple[int, int] | None:
         entry = pwd.getpwnam(WORKER_USER)
     if entry.pw_uid == 0:
         raise Refused(f"{WORKER_USER} has uid 0; the worker needs an unprivileged user")
-    user = entry.pw_uid, entry.pw_gid
-    if not can_run_as(user, python):
-        raise Refused(f"{WORKER_USER} cannot run `{python} -c 'import pytest, torch'`; make the environment "
-                      "readable by other users (setup.sh's /autograder/venv is)")
-    return user
+    return entry.pw_uid, entry.pw_gid
 
 
-def can_run_as(user: tuple[int, int], python: str) -> bool:
+def can_run_as(user: tuple[int, int], python: str, code: str = "import pytest, torch") -> bool:
     try:
-        probe = subprocess.run([python, "-c", "import pytest, torch"], user=user[0], group=user[1],
+        probe = subprocess.run([python, "-c", code], user=user[0], group=user[1],
                                extra_groups=[], capture_output=True, cwd="/", timeout=300)
     except (OSError, subprocess.TimeoutExpired):  # e.g. the python lies under a folder only root may enter
         return False
     return probe.returncode == 0
+
+
+def worker_python(python: str, user, work: Path) -> str:
+    """The python the worker runs: `python` where the worker's user can run it. Otherwise (as root
+    with a python under /root, where pyenv and conda put root's: mode 0700) a venv made in `work`
+    from a system python of the same version that the user can run, which sees `python`'s
+    packages through a .pth file. Refused when the user cannot read those packages either."""
+    if user is None or can_run_as(user, python):
+        return python
+    facts = json.loads(subprocess.run(
+        [python, "-I", "-c", "import json, sys; print(json.dumps([f'{sys.version_info[0]}.{sys.version_info[1]}', "
+                             "[p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]]))"],
+        capture_output=True, text=True, check=True).stdout)
+    version, site_dirs = facts[0], [d for d in facts[1] if os.path.isdir(d)]
+    system = next((p for p in (f"/usr/bin/python{version}", f"/usr/local/bin/python{version}")
+                   if can_run_as(user, p, "import venv")), None)
+    why = (f"{WORKER_USER} cannot run {python} (it lies in a folder that user cannot enter, such as /root)")
+    if system is None:
+        raise Refused(f"{why}, and there is no /usr/bin/python{version} it can run in its place; give "
+                      "AUTOGRADER_PYTHON a python outside /root (setup.sh's /autograder/venv is one)")
+    env = work / "worker-python"
+    subprocess.run([system, "-m", "venv", "--without-pip", str(env)], check=True, capture_output=True)
+    (site_packages,) = env.glob("lib/python*/site-packages")
+    (site_packages / "course_env.pth").write_text("".join(f"{d}\n" for d in site_dirs))
+    for here, _, files in os.walk(env):
+        os.chmod(here, 0o755)
+    readable = f"import os; [os.listdir(d) for d in {site_dirs!r}]; import pytest, torch"
+    if not can_run_as(user, str(env / "bin" / "python"), readable):
+        raise Refused(f"{why}, and it cannot read that python's packages ({', '.join(site_dirs)}) either; make "
+                      "the environment where other users can read it (`make setup` makes a self-contained .venv "
+                      "unless the system's python has torch already)")
+    return str(env / "bin" / "python")
 
 
 class CappedLog:
@@ -537,8 +566,8 @@ def run_part(part: Part, copy: Path, work: Path, manifest: dict, python: str, us
         (copy / canary.split("::")[0]).unlink(missing_ok=True)
 
 
-def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manifest: dict, python: str, user,
-                    time_limit: float, test_timeout: float, memory_mb: int) -> None:
+def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manifest: dict, python: str,
+                    worker_py: str, user, time_limit: float, test_timeout: float, memory_mb: int) -> None:
     """pytest as the judge (harness/judge.py): in `judge_tree`, as this process's user, the
     student's code in a worker that this file starts (`--worker`) as `user` in `copy`. A test
     stopped by its time limit while the student's code ran stops the worker and that pytest; the
@@ -548,7 +577,7 @@ def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manife
     judge_home = work / f"judge-home-{part.name.replace(' ', '-')}"
     judge_home.mkdir()
     judge_home.chmod(0o711)  # the worker reads what tests make for it here (models), by path only
-    settings = {"python": python, "tree": str(copy), "user": list(user) if user else None,
+    settings = {"python": worker_py, "tree": str(copy), "user": list(user) if user else None,
                 "memory_mb": memory_mb, "env": environment(home, copy)}
     env = environment(judge_home, judge_tree)
     env["KVCOURSE_JUDGE"] = json.dumps([python, "-I", str(Path(__file__).resolve()), "--worker", json.dumps(settings)])
@@ -630,17 +659,20 @@ def main() -> int:
     memory_mb = int(os.environ.get("AUTOGRADER_MEMORY_MB", 8192))
     select = os.environ.get("AUTOGRADER_SELECT", "").split()
     manifest = json.loads((source / "grading_manifest.json").read_text())
+    work = Path(tempfile.mkdtemp(prefix="autograder-"))
+    os.chmod(work, 0o711)  # the worker enters it (its python, its home, the copy), never lists or writes it
     try:
-        user = worker_user(python)
+        user = worker_user()
+        worker_py = worker_python(python, user, work)
     except Refused as exc:
         print(f"FLAG for the instructor: nothing was graded: {exc}")
         write_results(results, [], "The grader could not run your code safely (a set-up problem, not your code); "
                       "your instructor has been told.", {"refused": str(exc)})
+        shutil.rmtree(work, ignore_errors=True)
         return 0
     slowdown = calibrate()
     test_timeout = base_timeout * slowdown
 
-    work = Path(tempfile.mkdtemp(prefix="autograder-"))
     copy, hidden_store = work / "source", work / "hidden"
     hidden_files = set(manifest.get("hidden_files", []))
     # What the tests do not need stays out of the worker's reach: which tests are hidden, the points.
@@ -656,7 +688,6 @@ def main() -> int:
         shutil.rmtree(copy / package)
         skipped += copy_package(folder, copy / package)
     make_read_only(copy)
-    os.chmod(work, 0o755)
     # The judged parts' pytest runs here: the bundle's own files (no upload). The worker may read
     # its files by path (the model in assets/ that a test names), never list its top folder, and
     # never read a hidden test file (0600, the grader's) or write anything.
@@ -692,10 +723,10 @@ def main() -> int:
                     os.chmod((judge_tree if part.judged else copy) / file, 0o600 if part.judged else 0o644)
             remaining = max(1.0, deadline - time.monotonic())
             if part.judged:
-                run_judged_part(part, judge_tree, copy, work, manifest, python, user, remaining, test_timeout,
-                                memory_mb)
+                run_judged_part(part, judge_tree, copy, work, manifest, python, worker_py, user, remaining,
+                                test_timeout, memory_mb)
             else:
-                run_part(part, copy, work, manifest, python, user, remaining, test_timeout, memory_mb)
+                run_part(part, copy, work, manifest, worker_py, user, remaining, test_timeout, memory_mb)
             print(f"== {part.name}: {len(part.files)} files, {part.seconds:.0f} s, pytest exit status {part.status}")
             print(part.log if not hidden else "(the hidden tests' output is not shown)")
             if hidden:  # gone before the visible parts run, which must not read them
