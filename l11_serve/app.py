@@ -124,6 +124,11 @@ def _not_running(loop: EngineLoop) -> str:
 def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
     waiting = {"count": 0}  # streams without their first token (asyncio thread only)
 
+    def refuse(status: int, message: str) -> JSONResponse:
+        """A request the client must change (400, 413): answered and counted."""
+        loop.metrics.rejected.labels("bad_request" if status == 400 else "too_large").inc()
+        return error(status, message)
+
     async def completions(request: Request) -> Response:
         return await serve(request, parse_completion, TEXT)
 
@@ -133,7 +138,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
     async def serve(request: Request, parse, shape: "Shape") -> Response:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return error(413, f"the body has {int(declared):,} bytes; the limit is {MAX_BODY_BYTES:,}")
+            return refuse(413, f"the body has {int(declared):,} bytes; the limit is {MAX_BODY_BYTES:,}")
         try:
             raw = await _body_within_limit(request)
             # Decoding, checking and tokenizing a large body take time: on a worker thread, so that
@@ -143,18 +148,19 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
         except ClientDisconnect:  # gone before its body arrived: nothing was queued, nobody to answer
             return Response(status_code=499)
         except BodyTooLarge:
-            return error(413, f"the body is over the limit of {MAX_BODY_BYTES:,} bytes")
-        except json.JSONDecodeError as exc:
-            return error(400, f"the body is not valid JSON ({exc.msg} at character {exc.pos})")
-        except UnicodeDecodeError:
-            return error(400, "the body is not UTF-8 text; send JSON encoded as UTF-8")
-        except RecursionError:
-            return error(400, "the body nests too deeply to be a completion request")
-        except ValueError as exc:  # e.g. an integer of thousands of digits
-            return error(400, f"the body cannot be read as a completion request ({one_line(exc)})")
+            return refuse(413, f"the body is over the limit of {MAX_BODY_BYTES:,} bytes")
+        # InputError, JSONDecodeError and UnicodeDecodeError are ValueErrors: each before ValueError,
+        # or every field's own message would read as an unreadable body.
         except InputError as exc:
-            loop.metrics.rejected.labels("bad_request").inc()
-            return error(400, str(exc))
+            return refuse(400, str(exc))
+        except json.JSONDecodeError as exc:
+            return refuse(400, f"the body is not valid JSON ({exc.msg} at character {exc.pos})")
+        except UnicodeDecodeError:
+            return refuse(400, "the body is not UTF-8 text; send JSON encoded as UTF-8")
+        except RecursionError:
+            return refuse(400, "the body nests too deeply to be a completion request")
+        except ValueError as exc:  # e.g. an integer of thousands of digits
+            return refuse(400, f"the body cannot be read as a completion request ({one_line(exc)})")
         items = params.work_items()
         if waiting["count"] + len(items) > config.max_waiting:  # backpressure: refuse now, not queue forever
             loop.metrics.rejected.labels("overloaded").inc()
@@ -170,8 +176,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
                 await asyncio.wrap_future(stream.accepted)
         except InputError as exc:  # what only the engine could judge (too long, a pool too small): none runs
             waiting["count"] -= len(items)
-            loop.metrics.rejected.labels("bad_request").inc()
-            return error(400, str(exc))
+            return refuse(400, str(exc))
         except BaseException:  # the client left (cancelled) before the engine took every prompt
             waiting["count"] -= len(items)
             for stream in streams:
@@ -294,7 +299,7 @@ async def _choice_steps(loop: EngineLoop, stream: Stream, choices: list[Choice],
                 c.logprobs += u.logprobs[:kept]
                 if c.matcher and c.matcher.stopped:
                     c.finish_reason = "stop"
-                    loop.abort(stream, u.index)
+                    loop.abort(stream, u.index, reason="stop")  # it ended on its stop string, not aborted
                 elif u.finish_reason:
                     c.finish_reason = FINISH.get(u.finish_reason, u.finish_reason)  # an engine error reason as is
                     text += c.matcher.flush() if c.matcher and c.sends_tokens else ""

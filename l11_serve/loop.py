@@ -98,9 +98,10 @@ class EngineLoop:
             self.commands.put(("pool", view))
         return view
 
-    def abort(self, stream: Stream, index: int | None = None) -> None:
-        """Abort sample `index` of the stream, or all of them (None): blocks go back before the next step."""
-        self.commands.put(("abort", stream, index))
+    def abort(self, stream: Stream, index: int | None = None, reason: str = "aborted") -> None:
+        """Abort sample `index` of the stream, or all of them (None): blocks go back before the next step.
+        `reason` is the finish reason the engine books ("stop": the app found a stop string)."""
+        self.commands.put(("abort", stream, index, reason))
 
     def request_stop(self) -> None:
         """After the current step the thread aborts every request (each stream ends, "abort") and exits."""
@@ -141,7 +142,7 @@ class EngineLoop:
             if command[0] == "add":
                 self._add(command[1])
             elif command[0] == "abort":
-                self._abort_group(*command[1:])
+                self._abort(*command[1:])
             elif command[0] == "pool":
                 self._answer_pool(command[1])
             try:
@@ -168,6 +169,16 @@ class EngineLoop:
             self.streams[stream.group] = stream
             self.metrics.prompt_tokens.inc(len(stream.item.prompt_ids))
             stream.accepted.set_result(stream.group)
+
+    def _abort(self, stream: Stream, index: int | None, reason: str) -> None:
+        """`_abort_group`, then the samples it ended get `reason` (the engine says "aborted"): a
+        sample that ended on a stop string is counted as `stop` in requests_finished_total."""
+        running = [r for r in self.engine.requests.values()
+                   if r.group == stream.group and r.state is not State.FINISHED]
+        self._abort_group(stream, index)
+        for req in running:
+            if req.state is State.FINISHED and req.finish_reason == "aborted":
+                req.finish_reason = reason
 
     def _abort_group(self, stream: Stream, index: int | None) -> None:
         """Abort the stream's unfinished samples (one sample if `index` is given); every block they hold

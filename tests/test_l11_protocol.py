@@ -641,3 +641,40 @@ def test_parsing_and_tokenizing_run_off_the_event_loop(served, monkeypatch):
     monkeypatch.setattr(app_module, "_body_within_limit", recording_body)
     assert complete(client, max_tokens=2).status_code == 200
     assert threads["parse"] is not threads["loop"]
+
+
+# ---------------------------------------------------------------- issue 53: errors and finishes counted as what they are
+
+
+def _sample(loop, name: str, **labels) -> float:
+    return loop.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_every_400_says_its_own_line_and_is_counted_as_a_bad_request(served):
+    """An InputError is a ValueError: caught after `except ValueError` it read "the body cannot be
+    read as a completion request (InputError: ...)" and went uncounted (about 60 bad requests
+    showed as 10). Each 400 now carries its own line and counts once in rejected{bad_request}."""
+    client, loop, _ = served
+    before = _sample(loop, "kvcourse_requests_rejected_total", reason="bad_request")
+    for change, words in BAD:
+        r = complete(client, **{"max_tokens": 4, **change})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and words in message and "cannot be read" not in message, message
+    for raw in (b"{prompt:", BAD_BODIES["not UTF-8"], BAD_BODIES["a 5,000-digit integer"]):
+        assert client.post("/v1/completions", content=raw, headers={"content-type": "application/json"}).status_code == 400
+    assert _sample(loop, "kvcourse_requests_rejected_total", reason="bad_request") == before + len(BAD) + 3
+    wait_idle(loop)
+
+
+def test_a_sample_ended_by_its_stop_string_is_counted_as_stop_not_aborted(served):
+    client, loop, _ = served
+    free = complete(client, max_tokens=16).json()["choices"][0]["text"]
+    stop = free[free.index(" ", 3):][:4]
+    wait_idle(loop)
+    stopped, aborted = (_sample(loop, "kvcourse_requests_finished_total", reason=r) for r in ("stop", "aborted"))
+    whole = complete(client, max_tokens=16, stop=[stop]).json()["choices"][0]
+    streamed = sse_chunks(complete(client, max_tokens=16, stop=[stop], stream=True).iter_lines())
+    assert whole["finish_reason"] == streamed[-2]["choices"][0]["finish_reason"] == "stop"
+    wait_idle(loop)
+    assert _sample(loop, "kvcourse_requests_finished_total", reason="stop") == stopped + 2
+    assert _sample(loop, "kvcourse_requests_finished_total", reason="aborted") == aborted
