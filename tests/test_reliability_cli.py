@@ -358,7 +358,7 @@ def test_make_student_copy_refuses_to_overwrite_a_file_it_did_not_write(tmp_path
     assert _student_copy(str(copy)).returncode == 0
     marker = copy / ".student-copy"
     lines = marker.read_text().splitlines()
-    marker.write_text("\n".join(line for line in lines if line != "README.md") + "\n")  # README: now foreign
+    marker.write_text("\n".join(line for line in lines if line.split("  ")[-1] != "README.md") + "\n")  # now foreign
     (copy / "README.md").write_text("the instructor's own README")
     done = _student_copy(str(copy), "--force")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "README.md" in done.stderr
@@ -405,6 +405,99 @@ def test_make_student_copy_default_destination_from_a_fresh_clone(tmp_path):
     assert (clone / "student-copy" / ".student-copy").is_file()
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
     assert "student-copy" not in status, status
+
+
+@pytest.mark.parametrize("entry", ["absolute", "up", "through a link", "its .git"])
+def test_make_student_copy_force_deletes_nothing_outside_the_copy(entry, tmp_path):
+    """A marker is a file anyone can edit: a line naming a path outside the copy (or its .git) must
+    not become a delete. Refused, one line, before anything changes."""
+    copy, victim = tmp_path / "copy", tmp_path / "victim.txt"
+    assert _student_copy(str(copy)).returncode == 0
+    victim.write_text("not the copy's")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "victim.txt").write_text("not the copy's")
+    (copy / "link").symlink_to(tmp_path / "outside")
+    subprocess.run(["git", "init", "-q", str(copy)], check=True)
+    line = {"absolute": str(victim), "up": "../victim.txt", "through a link": "link/victim.txt",
+            "its .git": ".git/HEAD"}[entry]
+    marker = copy / ".student-copy"
+    marker.write_text(marker.read_text() + line + "\n")
+    done = _student_copy(str(copy), "--force")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "outside" in done.stderr, done.stderr
+    assert victim.is_file() and (tmp_path / "outside" / "victim.txt").is_file() and (copy / ".git" / "HEAD").is_file()
+
+
+def test_make_student_copy_force_keeps_a_hand_edit_and_says_so(tmp_path):
+    """A file the script wrote, edited since (a TA fixed a typo in the copy): --force keeps the edit
+    as FILE.orig-edited, names it in one line, and writes the new version. A second edit is kept
+    beside the first."""
+    copy = tmp_path / "copy"
+    assert _student_copy(str(copy)).returncode == 0
+    lesson = copy / "lessons" / "L2-paged.md"
+    lesson.write_text("the TA's fix")
+    done = _student_copy(str(copy), "--force")
+    assert done.returncode == 0, done.stderr
+    assert (copy / "lessons" / "L2-paged.md.orig-edited").read_text() == "the TA's fix"
+    assert lesson.read_text() == (ROOT / "lessons" / "L2-paged.md").read_text()
+    named = [line for line in done.stdout.splitlines() if line.startswith("kept your edit")]
+    assert len(named) == 1 and "lessons/L2-paged.md.orig-edited" in named[0], done.stdout
+    lesson.write_text("a second fix")
+    done = _student_copy(str(copy), "--force")
+    assert done.returncode == 0 and (copy / "lessons" / "L2-paged.md.orig-edited-2").read_text() == "a second fix"
+    assert (copy / "lessons" / "L2-paged.md.orig-edited").read_text() == "the TA's fix"
+    again = _student_copy(str(copy), "--force")  # nothing edited: nothing kept, nothing named
+    assert again.returncode == 0 and "kept your edit" not in again.stdout
+    assert "orig-edited" in _student_copy("--help").stdout  # the choice is stated where --force is
+
+
+def test_make_student_copy_removes_what_a_killed_run_left_and_only_that(tmp_path):
+    """kill -9 mid-copy leaves `.copy.partial-<pid>-XXXXXXXX` beside the target (no handler runs):
+    the next run removes it, and the leftovers of older versions (no pid), but not a live run's,
+    another target's, or a folder that only looks alike."""
+    copy = tmp_path / "copy"
+    code = ("import os, signal, shutil, sys, runpy\n"
+            "real = shutil.copy2\ncount = [0]\n"
+            "def killed(*a, **k):\n"
+            "    count[0] += 1\n"
+            "    if count[0] == 20: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "    return real(*a, **k)\n"
+            "shutil.copy2 = killed\n"
+            f"sys.argv = ['make_student_copy.py', {str(copy)!r}]\n"
+            "runpy.run_path('scripts/make_student_copy.py', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    left = list(tmp_path.glob(".copy.partial-*"))
+    assert len(left) == 1 and not copy.exists()
+    old = tmp_path / ".copy.partial-ab_cd123"  # an older version's name: no pid
+    live = tmp_path / f".copy.partial-{os.getpid()}-abcd1234"  # a run still going
+    others = [tmp_path / ".other.partial-abcd1234", tmp_path / ".copy.partial-notes", live]
+    for folder in [old, *others]:
+        folder.mkdir()
+        (folder / "x").write_text("x")
+    done = _student_copy(str(copy))
+    assert done.returncode == 0, done.stderr
+    assert not left[0].exists() and not old.exists() and all(f.is_dir() for f in others)
+    assert done.stdout.count("an interrupted run left behind") == 2, done.stdout
+
+
+def test_make_student_copy_takes_only_what_git_tracks_and_names_the_rest(tmp_path):
+    """An untracked draft at the root (`week3_solution.md`) must not reach the students unseen: the
+    copy takes the files git tracks and names the ones it left out. Run in a clone, so this
+    repository's own working tree is not touched."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    for rel in ("scripts/make_student_copy.py", ".gitignore"):  # this tree's versions, committed or not
+        (clone / rel).write_text((ROOT / rel).read_text())
+    (clone / "week3_solution.md").write_text("the answers")
+    (clone / "l2_paged" / "draft.py").write_text("ANSWER = 42\n")
+    done = subprocess.run([sys.executable, "scripts/make_student_copy.py", str(tmp_path / "copy")], cwd=clone,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "copy" / "week3_solution.md").exists()
+    assert not (tmp_path / "copy" / "l2_paged" / "draft.py").exists()
+    assert (tmp_path / "copy" / "l2_paged" / "__init__.py").is_file()
+    named = [line for line in done.stdout.splitlines() if "git does not track" in line]
+    assert len(named) == 1 and "week3_solution.md" in named[0] and "l2_paged/draft.py" in named[0], done.stdout
 
 
 # ---------------------------------------------------------------- the benches' door
