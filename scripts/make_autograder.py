@@ -46,7 +46,10 @@ def build(zip_path: Path, hidden_tests: Path, lessons: list[str], hidden_dir: Pa
     """Write the bundle to `zip_path`; return its manifest."""
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "source"
-        _student_copy_tool().make_student_copy(REPO_ROOT, copy)
+        tool = _student_copy_tool()
+        tool.make_student_copy(REPO_ROOT, copy)
+        if note := tool.untracked_note(REPO_ROOT):  # left out of the bundle as out of the copy
+            print(note)
         hidden_files = sorted(hidden_dir.glob("test_*.py")) if hidden_dir.is_dir() else []
         for path in hidden_files:
             shutil.copy(path, copy / "tests" / path.name)
@@ -95,13 +98,25 @@ def collect_manifest(copy: Path, lessons: list[str]) -> dict:
     return {"lessons": lessons, "packages": list(LESSON_PACKAGES.values()), "tests": tests}
 
 
+def bundle_path_problem(zip_path: Path, packages) -> str | None:
+    """Why the bundle must not be written at `zip_path`, or None: never inside a lesson package,
+    the folders students submit and the grader replaces (a bundle holds the hidden tests)."""
+    resolved = zip_path.resolve()
+    for package in packages:
+        if REPO_ROOT / package in resolved.parents:
+            return (f"{zip_path} is inside the lesson package {package}/, which students submit and the "
+                    f"grader replaces; write the bundle outside the lesson packages, e.g. autograder.zip")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("zip_path", help="the zip to write, e.g. autograder.zip")
     parser.add_argument("--hidden-tests", default=str(REPO_ROOT / "instructor" / "hidden_tests.txt"),
                         help="node-id prefixes hidden until grades are published (default: %(default)s)")
-    parser.add_argument("--hidden-tests-dir", default=str(HIDDEN_TESTS_DIR),
-                        help="test files put in the bundle only, hidden until published (default: %(default)s)")
+    parser.add_argument("--hidden-tests-dir", default=None,
+                        help=f"test files put in the bundle only, hidden until published (default: {HIDDEN_TESTS_DIR}, "
+                             f"if it exists; a folder given here must exist)")
     parser.add_argument("--lessons", default="",
                         help="the lessons graded, comma- or space-separated, e.g. l2 or l1,l2 (default: every lesson)")
     args = parser.parse_args(argv)
@@ -118,13 +133,21 @@ def main(argv: list[str] | None = None) -> int:
     if not hidden.is_file():
         print(f"error: {hidden} does not exist; pass --hidden-tests FILE", file=sys.stderr)
         return 2
+    hidden_dir = Path(args.hidden_tests_dir) if args.hidden_tests_dir is not None else HIDDEN_TESTS_DIR
+    if args.hidden_tests_dir is not None and not hidden_dir.is_dir():  # a typo would grade without them
+        print(f"error: --hidden-tests-dir {hidden_dir} is not a folder; give the folder that holds the hidden "
+              f"test_*.py files", file=sys.stderr)
+        return 2
+    if problem := bundle_path_problem(Path(args.zip_path), LESSON_PACKAGES.values()):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     from harness.cli import starting
 
     with starting():  # imports torch: a Ctrl-C inside an extension's import must not reach it
         from harness.benchmark import checked_output_path  # before 30 s of building, not after
 
     checked_output_path(args.zip_path, "zip_path")
-    manifest = build(Path(args.zip_path).resolve(), hidden, lessons, Path(args.hidden_tests_dir))
+    manifest = build(Path(args.zip_path).resolve(), hidden, lessons, hidden_dir)
     points = {lesson: sum(t["points"] for t in manifest["tests"].values() if t["lesson"] == lesson) for lesson in lessons}
     print(f"wrote {args.zip_path}: grades {', '.join(f'{k} ({v:g} points)' for k, v in points.items())}, "
           f"{len(manifest['tests'])} tests")

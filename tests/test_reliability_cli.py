@@ -500,6 +500,23 @@ def test_make_student_copy_takes_only_what_git_tracks_and_names_the_rest(tmp_pat
     assert len(named) == 1 and "week3_solution.md" in named[0] and "l2_paged/draft.py" in named[0], done.stdout
 
 
+@pytest.mark.parametrize("case", ["hidden folder missing", "bundle in a lesson package", "bundle deeper in one"])
+def test_make_autograder_refuses_a_missing_hidden_folder_and_a_bundle_inside_a_lesson_package(case, tmp_path,
+                                                                                                capsys):
+    """`--hidden-tests-dir /nope` built a bundle without the hidden tests (exit 0), and a bundle could
+    be written into a lesson package. One line, exit 2, and no build (a stand-in: nothing is written)."""
+    tool = load_script("make_autograder")
+    builds = []
+    tool.build = lambda *args: builds.append(args) or {"tests": {}, "packages": []}
+    argv = {"hidden folder missing": [str(tmp_path / "a.zip"), "--hidden-tests-dir", str(tmp_path / "nope")],
+            "bundle in a lesson package": [str(ROOT / "l2_paged" / "a.zip")],
+            "bundle deeper in one": [str(ROOT / "l13_sliding_window" / "sub" / ".." / "a.zip")]}[case]
+    status = tool.main(argv)
+    err = capsys.readouterr().err
+    assert status == 2 and not builds, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and ("nope" in err or "lesson package" in err), err
+
+
 # ---------------------------------------------------------------- the benches' door
 
 BENCH_BAD = [
