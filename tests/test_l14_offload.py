@@ -42,21 +42,35 @@ def test_matched_tokens_continue_the_devices_run_stop_at_a_gap_and_never_reach_t
     store = dummy_store([keys[i] for i in (0, 1, 2, 3, 5)])  # block 4 is missing
     conn = OffloadConnector(store, BS)
     req = fake_request(tokens)
-    assert conn.get_num_new_matched_tokens(req, 0) == 4 * BS
-    assert conn.get_num_new_matched_tokens(req, 2 * BS) == 2 * BS  # from the device's end on
-    assert conn.get_num_new_matched_tokens(req, 4 * BS) == 0  # block 4 is not stored: nothing after it counts
-    assert conn.get_num_new_matched_tokens(req, BS + 1) == 0  # hits not ending on a block: no run to continue
+
+    def expect(conn, req, device_tokens, want, rule):
+        got = conn.get_num_new_matched_tokens(req, device_tokens)
+        assert got == want, (f"get_num_new_matched_tokens(req, {device_tokens}) with blocks of {BS} tokens "
+                             f"returned {got}, expected {want}: {rule}")
+
+    stored = "the store holds blocks 0, 1, 2, 3 and 5 of a 6-block prompt (plus 2 tokens)"
+    expect(conn, req, 0, 4 * BS, f"{stored}; the run from block 0 stops at the first block it lacks (4)")
+    expect(conn, req, 2 * BS, 2 * BS, f"{stored}; the device holds blocks 0-1, so the answer counts only tokens "
+                                      "past them: blocks 2-3, a run that starts where the device's hits end")
+    expect(conn, req, 4 * BS, 0, f"{stored}; the run past the device's blocks 0-3 starts at block 4, which the "
+                                 "store lacks, so nothing after it counts")
+    expect(conn, req, BS + 1, 0, "device hits that do not end on a block boundary leave no run to continue")
     store.save(keys[4], torch.zeros(1))
-    assert conn.get_num_new_matched_tokens(req, 3 * BS) == 3 * BS
+    expect(conn, req, 3 * BS, 3 * BS, "with block 4 stored too, blocks 3-5 continue the device's blocks 0-2; "
+                                      "block 6 holds the last tokens and is never supplied")
     # the last token's block is never loaded: with exactly 6 full blocks, 5 at most
     exact = fake_request(tokens[:6 * BS])
-    assert conn.get_num_new_matched_tokens(exact, 0) == 5 * BS
+    expect(conn, exact, 0, 5 * BS, "a prompt of exactly 6 full blocks, all stored: block 5 holds the last token, "
+                                   "which must be computed to give logits, so 5 blocks at most")
     # the same tokens after another prefix have other keys: no hit
-    assert conn.get_num_new_matched_tokens(fake_request([7] + tokens[1:]), 0) == 0
-    assert conn.get_num_new_matched_tokens(fake_request(tokens[:BS]), 0) == 0
+    expect(conn, fake_request([7] + tokens[1:]), 0, 0,
+           "a different first token changes every chained key, so the store holds none of this prompt's blocks")
+    expect(conn, fake_request(tokens[:BS]), 0, 0,
+           "a one-block prompt: its only block holds the last token and is never supplied")
     # the device holds blocks the store does not (write-back, or the tier evicted them): the run goes on
     later = OffloadConnector(dummy_store([keys[2], keys[3]]), BS)
-    assert later.get_num_new_matched_tokens(req, 2 * BS) == 2 * BS
+    expect(later, req, 2 * BS, 2 * BS, "the store lacks blocks 0-1 but the device holds them: the run continues "
+                                       "from block 2 and the store's blocks 2-3 count")
 
 
 @pytest.mark.points(1)

@@ -68,11 +68,19 @@ def test_lru_tier_evicts_what_a_plain_lru_model_evicts_on_random_gets_and_puts(k
             while len(model) >= capacity:
                 expected.append(model.pop(0))
             model.append(i)
-            assert [k for k, _ in evicted] == [key(e) for e in expected], (seed, model)
-            assert all(torch.equal(kv, block(e)) for (_, kv), e in zip(evicted, expected))
-            assert list(tier.order) == [key(m) for m in model] and len(tier) == len(model)
+            assert [k for k, _ in evicted] == [key(e) for e in expected], (
+                f"seed {seed}: a put of a key the tier lacks evicts only when the tier is full (capacity "
+                f"{capacity}), and then the least recently used keys (a get and a put both count as a use), "
+                f"oldest first: expected {expected}; the tier now holds (least recent first) {model}")
+            assert all(torch.equal(kv, block(e)) for (_, kv), e in zip(evicted, expected)), (
+                f"seed {seed}: put returns each evicted key with the very block that was stored under it")
+            assert list(tier.order) == [key(m) for m in model] and len(tier) == len(model), (
+                f"seed {seed}: after each put the tier's order (least recent first) must be {model}")
         nbytes = block(0).numel() * 4
-        assert (tier.bytes_read, tier.bytes_written) == (gets * nbytes, puts * nbytes), seed
+        assert (tier.bytes_read, tier.bytes_written) == (gets * nbytes, puts * nbytes), (
+            f"seed {seed}: bytes_read counts a block's bytes per get ({gets} gets) and bytes_written per put "
+            f"of a key not held ({puts}; a put of a held key writes nothing): expected {gets * nbytes} read, "
+            f"{puts * nbytes} written, got {tier.bytes_read} and {tier.bytes_written}")
 
 
 @pytest.mark.points(1)
@@ -156,7 +164,10 @@ def test_store_match_is_the_nearest_tier_of_the_longest_leading_run_and_changes_
     assert store.match([key(3), key(4)]) == [1, 0]
     assert store.match([key(2), key(9), key(3)]) == [1]  # stops at the first miss
     assert store.match([key(9), key(0)]) == [] and store.match([]) == []
-    assert (list(cpu.order), list(files.order), cpu.bytes_read, files.bytes_read, list(store.loads_by_tier)) == before
+    after = (list(cpu.order), list(files.order), cpu.bytes_read, files.bytes_read, list(store.loads_by_tier))
+    assert after == before, ("match must change nothing: no tier's order (recency), bytes_read or loads_by_tier "
+                             "may move, since the scheduler asks again every step a request waits "
+                             f"(before: {before}, after: {after})")
 
 
 @pytest.mark.points(4)
@@ -187,8 +198,13 @@ def test_store_save_spills_each_tiers_evictions_one_tier_down_and_drops_from_the
                 moving = out
             dropped += len(moving)
             for t, tier in enumerate(store.tiers):
-                assert list(tier.order) == [key(m) for m in model[t]], (seed, t)
-            assert store.dropped == dropped
+                assert list(tier.order) == [key(m) for m in model[t]], (
+                    f"seed {seed}, tier {t}: a save puts the block in tier 0, each tier's evictions (least "
+                    f"recently used first) go one tier down, and a key a tier holds is only touched; tier {t} "
+                    f"must hold {model[t]} (least recent first)")
+            assert store.dropped == dropped, (
+                f"seed {seed}: what the last tier evicts is dropped and counted in `dropped`: expected {dropped}, "
+                f"got {store.dropped}")
         for t, tier in enumerate(store.tiers):  # what spilled is the bytes that were saved
             assert all(torch.equal(tier.get(key(m)), block(m)) for m in model[t])
 
