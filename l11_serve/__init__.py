@@ -9,7 +9,7 @@ import importlib
 _EXPORTS = {
     "ServerConfig": "app", "create_app": "app",
     "ServeEngine": "engine", "ServeItem": "engine", "ServeRequest": "engine", "make_serve_engine": "engine",
-    "nucleus": "engine",
+    "nucleus": "engine", "truncated": "engine",
     "EngineLoop": "loop", "Stream": "loop", "Update": "loop",
     "ServeMetrics": "metrics",
     "CompletionParams": "protocol", "parse_completion": "protocol",

@@ -2,6 +2,7 @@
 
     POST /v1/completions   OpenAI's completions: text or ids in, text out (streamed or whole)
     POST /v1/chat/completions  OpenAI's chat: messages through the chat template, then the same
+    POST /v1/responses     OpenAI's Responses API, text only and whole: input -> output_text
     POST /tokenize, /detokenize  vLLM's shapes: text or messages -> ids, ids -> text
     GET  /v1/models        the one model served (and /v1/models/{id})
     GET  /health           200 while the engine loop runs
@@ -31,7 +32,7 @@ from l1_contiguous import InputError
 from l1_contiguous.errors import one_line
 
 from .loop import EngineLoop, Stream
-from .protocol import CompletionParams, chat_prompt_ids, parse_chat, parse_completion
+from .protocol import CompletionParams, chat_prompt_ids, parse_chat, parse_completion, parse_responses
 from .protocol import messages as parse_messages
 from .stops import StopMatcher
 
@@ -81,7 +82,8 @@ async def _body_within_limit(request: Request) -> bytes:
 
 async def _not_found(request: Request, exc) -> JSONResponse:
     return error(404, f"no route {request.method} {request.url.path}; this server has POST /v1/completions, "
-                      f"GET /v1/models, /health, /metrics, /pool and /")
+                      f"/v1/chat/completions, /v1/responses, /tokenize and /detokenize, GET /v1/models, "
+                      f"/health, /metrics, /pool and /")
 
 
 async def _not_allowed(request: Request, exc) -> JSONResponse:
@@ -135,6 +137,9 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         return await serve(request, parse_chat, CHAT)
 
+    async def responses(request: Request) -> Response:
+        return await serve(request, parse_responses, RESPONSES)
+
     async def serve(request: Request, parse, shape: "Shape") -> Response:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -161,7 +166,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
             return refuse(400, "the body nests too deeply to be a completion request")
         except ValueError as exc:  # e.g. an integer of thousands of digits
             return refuse(400, f"the body cannot be read as a completion request ({one_line(exc)})")
-        items = params.work_items()
+        items = params.work_items(loop.engine.max_model_len)
         if waiting["count"] + len(items) > config.max_waiting:  # backpressure: refuse now, not queue forever
             loop.metrics.rejected.labels("overloaded").inc()
             return error(429, f"the server has {waiting['count']} requests waiting and takes {config.max_waiting}; "
@@ -184,7 +189,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
             raise
         # Prompt k's samples are choices k*n .. k*n + n-1 (OpenAI's numbering for a batch).
         groups = [[Choice(StopMatcher(tokenizer, params.stop) if tokenizer else None,
-                          prompt_ids=prompt if params.echo else None, sends_tokens=params.max_tokens > 0)
+                          prompt_ids=prompt if params.echo else None, sends_tokens=params.max_tokens != 0)
                    for _ in range(params.n)] for prompt in params.prompts]
         choices = [c for group in groups for c in group]
         steps = _merged([_choice_steps(loop, stream, group, waiting) for stream, group in zip(streams, groups)],
@@ -199,7 +204,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
 
     def model_card() -> dict:
         return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kv-cache-course",
-                "max_model_len": loop.engine.model.config.max_position_embeddings}
+                "max_model_len": loop.engine.max_model_len}
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_card()]})
@@ -222,7 +227,7 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
                    else tokenizer.encode(body["prompt"], add_special_tokens=bool(body.get("add_special_tokens"))))
         except (BodyTooLarge, ValueError, RecursionError, InputError) as exc:
             return error(400, str(exc) if isinstance(exc, InputError) else "the body is not a tokenize request")
-        return JSONResponse({"count": len(ids), "max_model_len": loop.engine.model.config.max_position_embeddings,
+        return JSONResponse({"count": len(ids), "max_model_len": loop.engine.max_model_len,
                              "tokens": ids})
 
     async def detokenize(request: Request) -> Response:
@@ -265,7 +270,8 @@ def create_app(loop: EngineLoop, tokenizer, config: ServerConfig) -> Starlette:
         await asyncio.to_thread(loop.stop)
 
     routes = [Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/v1/models", models),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/responses", responses, methods=["POST"]), Route("/v1/models", models),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
               Route("/v1/models/{model_id:path}", one_model),
               Route("/health", health), Route("/metrics", metrics), Route("/pool", pool), Route("/", page)]
@@ -361,6 +367,7 @@ class Shape:
     chunk_object: str
     id_prefix: str
     chat: bool
+    responses: bool = False  # OpenAI's Responses API: one output message (see _response)
 
     def streamed(self, i: int, text: str, ids: list[int], finish, logprobs=None) -> dict:
         if not self.chat:
@@ -406,6 +413,28 @@ def token_text(tokenizer, token_id: int) -> str:
 
 TEXT = Shape("text_completion", "text_completion", "cmpl", chat=False)
 CHAT = Shape("chat.completion", "chat.completion.chunk", "chatcmpl", chat=True)
+RESPONSES = Shape("response", "response", "resp", chat=True, responses=True)
+
+
+def _response(head: dict, text: str, choice: Choice, params: CompletionParams) -> dict:
+    """The Responses API's body: one assistant message of one output_text part. `incomplete` when
+    the length ran out (max_output_tokens, or the context's end); `failed` for an abort or error."""
+    status = {"stop": "completed", "length": "incomplete"}.get(choice.finish_reason, "failed")
+    out = len(choice.token_ids)
+    return {"id": head["id"], "object": "response", "created_at": head["created"], "model": head["model"],
+            "status": status, "error": None if status != "failed" else
+            {"code": "server_error", "message": f"the generation ended with {choice.finish_reason}"},
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": None, "max_output_tokens": params.max_tokens, "metadata": {},
+            "output": [{"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "role": "assistant",
+                        "status": "completed" if status == "completed" else "incomplete",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "parallel_tool_calls": False, "temperature": params.temperature, "top_p": params.top_p,
+            "tool_choice": "none", "tools": [],
+            "usage": {"input_tokens": params.prompt_tokens, "output_tokens": out,
+                      "total_tokens": params.prompt_tokens + out,
+                      # not tracked per request here: 0 means "not reported", not "no hit"
+                      "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
 
 
 async def _sse(steps, head: dict, params: CompletionParams, choices: list[Choice], shape: Shape = TEXT,
@@ -474,6 +503,9 @@ async def _whole(request: Request, steps, head: dict, params: CompletionParams, 
         return error(500, f"the server failed: {one_line(collecting.exception())}", "server_error")
     if any(c.finish_reason is None for c in choices):
         return error(499, "client closed the request", "client_closed")  # nobody reads it
+
+    if shape.responses:  # one prompt, n = 1, no echo or logprobs: see parse_responses
+        return JSONResponse(_response(head, texts[0], choices[0], params))
 
     def whole(i: int, c: Choice) -> dict:
         echo_text, echo_entries, echo_ids = _echoed(c, tokenizer)

@@ -3,8 +3,9 @@
 Small overrides, nothing about HTTP:
   * request ids come from a counter and finished requests are forgotten (`forget_finished`),
     so the engine's dicts and its per-step history stay bounded however many requests it serves;
-  * `top_p` (nucleus sampling): each row of logits is cut to its smallest set of tokens whose
-    probability adds up to top_p before L8's `draw`; forks inherit their parent's top_p;
+  * `top_p` (nucleus sampling), `top_k` and `min_p`: each sampled row of logits is cut, in vLLM's
+    order (min_p, then top_k, then top_p over what is left), before L8's `draw`; forks inherit
+    their parent's settings;
   * per-token logprobs, and prompt logprobs (`echo`, for scoring): a request that wants the
     log-probability of every prompt token needs the logits of every prompt position, so it takes
     no prefix-cache hit (a hit skips exactly those positions) and its prefill returns all rows;
@@ -28,6 +29,8 @@ from l8_prefix import PrefixEngine, PrefixRequest, PrefixScheduler, SampledWorkI
 @dataclass
 class ServeItem(SampledWorkItem):
     top_p: float = 1.0  # 1: the whole distribution
+    top_k: int = 0  # 0: off; k: the k most likely tokens only
+    min_p: float = 0.0  # 0: off; p: tokens at least p times as likely as the most likely one only
     ignore_eos: bool = False  # go on past the model's EOS (it stays in the ids), as vLLM's option
     min_tokens: int = 0  # EOS and stop ids cannot be picked before this many new tokens
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from every id already generated
@@ -37,7 +40,7 @@ class ServeItem(SampledWorkItem):
     prompt_logprobs: int | None = None  # None: off; k: the same for every prompt token after the first
 
 
-PER_REQUEST = ("top_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+PER_REQUEST = ("top_p", "top_k", "min_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
                "logprobs", "prompt_logprobs")
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default limit; OpenAI's chat allows 20)
 
@@ -55,6 +58,8 @@ class TokenLogprob:
 @dataclass
 class ServeRequest(PrefixRequest):
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     ignore_eos: bool = False
     min_tokens: int = 0
     presence_penalty: float = 0.0
@@ -125,6 +130,14 @@ class ServeEngine(PrefixEngine):
         self._raw_rows: dict[int, torch.Tensor] = {}  # this step's logits rows, for logprobs
         self.runner = ServeRunner(self.model, self.pool, self.alloc, backend=self.runner.backend)
 
+    @property
+    def max_model_len(self) -> int:
+        """The most positions one request can reach (prompt + new tokens): the model's context, or
+        what the whole pool holds if that is less (vLLM would refuse to start; this course's pools
+        are small on purpose). A request's last token is never written: hence the + 1."""
+        a = self.alloc
+        return min(self.model.config.max_position_embeddings, a.num_blocks * a.block_size + 1)
+
     def _check_item(self, item) -> None:
         super()._check_item(item)
         for name in ("logprobs", "prompt_logprobs"):
@@ -134,6 +147,11 @@ class ServeEngine(PrefixEngine):
         top_p = getattr(item, "top_p", 1.0)
         if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
             raise InputError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        top_k, min_p = getattr(item, "top_k", 0), getattr(item, "min_p", 0.0)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise InputError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
+        if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
+            raise InputError(f"min_p must be a number in [0, 1], got {min_p!r}")
         if not isinstance(getattr(item, "ignore_eos", False), bool):
             raise InputError(f"ignore_eos must be true or false, got {item.ignore_eos!r}")
         low = getattr(item, "min_tokens", 0)
@@ -174,8 +192,8 @@ class ServeEngine(PrefixEngine):
         self._raw_rows = {r.request_id: row for r, row in zip(reqs, logits) if r.logprobs is not None}
         if any(_adjusts(r) for r in reqs):
             logits = torch.stack([self._adjusted(r, row) if _adjusts(r) else row for r, row in zip(reqs, logits)])
-        if any(not is_greedy(r.temperature) and r.top_p < 1 for r in reqs):
-            logits = torch.stack([nucleus(row, r.temperature, r.top_p) if not is_greedy(r.temperature) else row
+        if any(_truncates(r) for r in reqs):  # greedy rows are left whole: their argmax is in every cut
+            logits = torch.stack([truncated(row, r.temperature, r.top_k, r.min_p, r.top_p) if _truncates(r) else row
                                   for r, row in zip(reqs, logits)])
         return super()._sample(reqs, logits)  # the forks' first draw reads these (cut) rows too
 
@@ -223,6 +241,25 @@ class ServeEngine(PrefixEngine):
 def _adjusts(req) -> bool:
     return (req.repetition_penalty != 1.0 or req.presence_penalty != 0 or req.frequency_penalty != 0
             or len(req.output_ids) < req.min_tokens)
+
+
+def _truncates(req) -> bool:
+    return not is_greedy(req.temperature) and (req.top_p < 1 or req.top_k > 0 or req.min_p > 0)
+
+
+def truncated(row: torch.Tensor, temperature: float, top_k: int = 0, min_p: float = 0.0,
+              top_p: float = 1.0) -> torch.Tensor:
+    """`row` with every token the sampling settings exclude set to -inf, in vLLM's order: min_p on
+    softmax(row / T) (a token stays if its probability is at least min_p times the largest),
+    then top_k (the k largest logits stay, ties at the k-th included), then top_p over the
+    tokens left (their probabilities renormalized)."""
+    if min_p > 0:
+        probs = torch.softmax(row.float() / temperature, dim=-1)
+        row = row.masked_fill(probs < min_p * probs.max(), -math.inf)
+    if 0 < top_k < row.numel():
+        kth = torch.topk(row, top_k).values[-1]
+        row = row.masked_fill(row < kth, -math.inf)
+    return nucleus(row, temperature, top_p)
 
 
 def token_logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:

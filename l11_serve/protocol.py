@@ -7,6 +7,7 @@ thread unchecked except what only the engine can judge (the prompt's length agai
 
 from __future__ import annotations
 
+import inspect
 import math
 import secrets
 from dataclasses import dataclass
@@ -16,8 +17,22 @@ from l1_contiguous.errors import short_repr
 
 from .engine import MAX_LOGPROBS, ServeItem
 
-# Fields of OpenAI's /v1/completions this server ignores when they hold their neutral value.
+# Fields this server accepts only at their neutral value (the value that changes nothing), or at
+# any value where the entry is None (they change nothing here). OpenAI's first:
 NEUTRAL = {"best_of": (None, 1), "user": None, "suffix": (None,), "logit_bias": (None, {})}
+# then vLLM's extensions, at the defaults its clients send. A typo (`max_token`) stays an error:
+# vLLM logs unknown fields and ignores them, which would sample with the default silently.
+VLLM_NEUTRAL = {
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "prompt_logprobs": (None,),
+    "bad_words": (None, []), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structural_tag": (None,),
+    "response_format": (None, {"type": "text"}), "priority": (None, 0), "cache_salt": (None,),
+    "kv_transfer_params": (None,), "vllm_xargs": (None,), "mm_processor_kwargs": (None,),
+    "request_id": None,  # vLLM's own id for its logs; ours is x-request-id
+}
 
 
 MAX_PROMPTS = 64  # prompts in one request's batch: each takes a waiting slot and a group of samples
@@ -26,11 +41,11 @@ MAX_PROMPTS = 64  # prompts in one request's batch: each takes a waiting slot an
 @dataclass
 class CompletionParams:
     prompts: list[list[int]]  # one, or a batch: each runs as its own group of n samples
-    max_tokens: int
+    max_tokens: int | None  # None: up to the end of the context (chat's default, vLLM's)
     temperature: float
     top_p: float
     n: int
-    seed: int
+    seed: int | None  # None: every prompt draws a seed of its own
     stop: list[str]
     stop_token_ids: list[int]
     stream: bool
@@ -41,6 +56,8 @@ class CompletionParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    top_k: int = 0  # 0: off; k: only the k most likely tokens
+    min_p: float = 0.0  # 0: off; p: only tokens at least p times as likely as the most likely
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
     echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked)
 
@@ -48,20 +65,35 @@ class CompletionParams:
     def prompt_tokens(self) -> int:
         return sum(map(len, self.prompts))
 
-    def work_items(self) -> list[ServeItem]:
-        """One engine item per prompt, each with the request's sampling settings (and seed)."""
-        # echo with max_tokens 0 scores the prompt: the engine still makes one token, never sent.
-        return [ServeItem(prompt, max(self.max_tokens, 1), n=self.n, temperature=self.temperature,
-                          seed=self.seed, top_p=self.top_p, stop_token_ids=tuple(self.stop_token_ids),
+    def work_items(self, max_model_len: int) -> list[ServeItem]:
+        """One engine item per prompt, each with the request's sampling settings and its own seed.
+        max_model_len: the most positions a request may reach, what max_tokens None runs up to."""
+        return [ServeItem(prompt, self.new_tokens(prompt, max_model_len), n=self.n, temperature=self.temperature,
+                          seed=self.prompt_seed(k), top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                          stop_token_ids=tuple(self.stop_token_ids),
                           ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                           repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
                           prompt_logprobs=self.logprobs if self.echo else None)
-                for prompt in self.prompts]
+                for k, prompt in enumerate(self.prompts)]
+
+    def new_tokens(self, prompt: list[int], max_model_len: int) -> int:
+        """The engine's max_new_tokens for `prompt`: max_tokens, or what the context leaves (at
+        least 1: a prompt that fills the context is then refused by the engine, which says why)."""
+        if self.max_tokens is None:
+            return max(max_model_len - len(prompt), 1)
+        return max(self.max_tokens, 1)  # echo with max_tokens 0 scores the prompt: one token, never sent
+
+    def prompt_seed(self, k: int) -> int:
+        """Prompt k's seed; its sample i draws with this + i (L8's rule). With a seed: seed + k*n,
+        so choice c of the response (prompt c // n, sample c % n) draws with seed + c. Without
+        one: a fresh random seed per prompt, so that equal prompts in a batch draw independently."""
+        return self.seed + k * self.n if self.seed is not None else secrets.randbelow(2**63)
 
 
 SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options",
-                 "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+                 "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "top_k", "min_p", "stop_token_ids"}
 
 
 def _check_fields(body: dict, own: set[str], neutral_values: dict) -> None:
@@ -70,7 +102,9 @@ def _check_fields(body: dict, own: set[str], neutral_values: dict) -> None:
     known = SHARED_FIELDS | own | set(neutral_values)
     unknown = sorted(set(body) - known)
     if unknown:
-        raise InputError(f"unknown field {unknown[0]!r}; this server reads {', '.join(sorted(known))}")
+        named = sorted(SHARED_FIELDS | own)  # the neutral-only ones are too many to list
+        raise InputError(f"unknown field {unknown[0]!r}; this server reads {', '.join(named)} (and "
+                         f"OpenAI's and vLLM's other fields at their defaults)")
     for name, neutral in neutral_values.items():
         if neutral is not None and body.get(name, neutral[0]) not in neutral:
             raise InputError(f"{name}={short_repr(body[name])} is not supported by this server; leave it out")
@@ -79,7 +113,7 @@ def _check_fields(body: dict, own: set[str], neutral_values: dict) -> None:
 def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
     if not isinstance(body, dict):
         raise InputError("the request body must be a JSON object like {\"prompt\": \"...\", \"max_tokens\": 16}")
-    _check_fields(body, {"prompt", "stop_token_ids", "logprobs", "echo"}, NEUTRAL)
+    _check_fields(body, {"prompt", "logprobs", "echo", "add_special_tokens"}, {**NEUTRAL, **VLLM_NEUTRAL})
     if body.get("model", model_name) not in (model_name, None):
         raise InputError(f"model {body['model']!r} is not served here; GET /v1/models lists {model_name!r}")
     if body.get("stop") and tokenizer is None:
@@ -89,14 +123,19 @@ def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
         raise InputError("stream_options must be an object with at most include_usage and continuous_usage_stats "
                          "(booleans)")
     echo = _bool(body, "echo")
-    max_tokens = _int(body, "max_tokens", 16, low=0 if echo else 1)  # 0: score the prompt, generate nothing
+    # OpenAI's and vLLM's default for completions is 16; null (vLLM) runs to the context's end.
+    # 0 only with echo: score the prompt, generate nothing.
+    max_tokens = None if "max_tokens" in body and body["max_tokens"] is None else \
+        _int(body, "max_tokens", 16, low=0 if echo else 1)
+    prompts = _prompts(body.get("prompt"), tokenizer, _bool(body, "add_special_tokens"))
+    n = _int(body, "n", 1, low=1, high=16)
     return CompletionParams(
-        prompts=_prompts(body.get("prompt"), tokenizer),
+        prompts=prompts,
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
         top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, open_low=True),
-        n=_int(body, "n", 1, low=1, high=16),
-        seed=_int(body, "seed", None, low=0) if body.get("seed") is not None else secrets.randbelow(2**31),
+        n=n,
+        seed=_seed(body, len(prompts) * n),
         stop=_stop(body.get("stop")),
         stop_token_ids=_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
         stream=_bool(body, "stream"),
@@ -107,13 +146,19 @@ def parse_completion(body, tokenizer, model_name: str) -> CompletionParams:
         presence_penalty=_number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, low=0.0, high=2.0, open_low=True),
+        top_k=max(_int(body, "top_k", 0, low=-1), 0),  # vLLM: -1 and 0 both mean off
+        min_p=_number(body, "min_p", 0.0, low=0.0, high=1.0),
         logprobs=_int(body, "logprobs", None, low=0, high=MAX_LOGPROBS) if body.get("logprobs") is not None else None,
         echo=echo)
 
 
-CHAT_NEUTRAL = {**NEUTRAL, "echo": (False, None), "tools": (None, []),
-                "tool_choice": (None, "none"), "parallel_tool_calls": None, "response_format": (None, {"type": "text"}),
-                "store": (None, False), "metadata": None, "service_tier": None}
+CHAT_NEUTRAL = {**NEUTRAL, **VLLM_NEUTRAL, "echo": (False, None), "tools": (None, []),
+                "tool_choice": (None, "none"), "parallel_tool_calls": None,
+                "store": (None, False), "metadata": None, "service_tier": None,
+                # vLLM's chat extensions
+                "add_special_tokens": (None, False), "add_generation_prompt": (None, True),
+                "continue_final_message": (None, False), "chat_template": (None,), "documents": (None,),
+                "reasoning_effort": (None,), "include_reasoning": None}  # no reasoning parser here
 ROLES = ("system", "user", "assistant", "developer")
 # For a model folder whose tokenizer has no chat template (the embedded KJV model was never taught
 # to chat): each message on its own line as "role: text", then "assistant:" for the model to go on.
@@ -128,12 +173,15 @@ def parse_chat(body, tokenizer, model_name: str) -> CompletionParams:
                          "\"content\": \"...\"}]}")
     if tokenizer is None:
         raise InputError("chat needs a tokenizer and this model folder has none; use /v1/completions with ids")
-    _check_fields(body, {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}, CHAT_NEUTRAL)
-    prompt_ids = chat_prompt_ids(messages(body.get("messages")), tokenizer)
-    rest = {k: v for k, v in body.items()
-            if k not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs", *CHAT_NEUTRAL)}
+    own = {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs"}
+    _check_fields(body, own, CHAT_NEUTRAL)
+    prompt_ids = chat_prompt_ids(messages(body.get("messages")), tokenizer,
+                                 _template_kwargs(body.get("chat_template_kwargs"), tokenizer))
+    rest = {k: v for k, v in body.items() if k not in (*own, *CHAT_NEUTRAL)}
     if body.get("max_completion_tokens") is not None:
         rest["max_tokens"] = body["max_completion_tokens"]
+    # Chat has no default length (OpenAI, vLLM): it runs to EOS, a stop, or the context's end.
+    rest.setdefault("max_tokens", None)
     # Chat's form: logprobs is a switch, top_logprobs the alternatives (which need the switch on).
     wanted = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, low=0, high=MAX_LOGPROBS) if body.get("top_logprobs") is not None else 0
@@ -141,6 +189,65 @@ def parse_chat(body, tokenizer, model_name: str) -> CompletionParams:
         raise InputError("top_logprobs needs logprobs: true")
     rest["logprobs"] = top if wanted else None
     return parse_completion({**rest, "prompt": prompt_ids}, tokenizer, model_name)
+
+
+# OpenAI's /v1/responses, text only: its other fields at the values that change nothing here.
+RESPONSES_NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none", "auto"), "parallel_tool_calls": None,
+                     "store": None, "metadata": None, "user": None, "service_tier": None,
+                     "truncation": (None, "disabled"), "include": (None, []), "previous_response_id": (None,),
+                     "reasoning": (None,), "text": (None, {"format": {"type": "text"}}), "background": (None, False),
+                     "max_tool_calls": None, "top_logprobs": (None, 0), "prompt": (None,)}
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def parse_responses(body, tokenizer, model_name: str) -> CompletionParams:
+    """OpenAI's Responses API, the text-only part: `input` (a string, or a list of messages whose
+    content is a string or text parts) and `instructions` (a system message first) become a chat
+    request; `max_output_tokens` is its max_tokens. Not streamed, not stored, no tools."""
+    if not isinstance(body, dict):
+        raise InputError('the request body must be a JSON object like {"input": "..."}')
+    own = {"input", "instructions", "max_output_tokens", "temperature", "top_p", "model", "stream"}
+    known = own | set(RESPONSES_NEUTRAL)
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise InputError(f"unknown field {unknown[0]!r}; /v1/responses here reads {', '.join(sorted(own))} "
+                         f"(text only; /v1/chat/completions has every sampling option)")
+    for name, neutral in RESPONSES_NEUTRAL.items():
+        if neutral is not None and body.get(name, neutral[0]) not in neutral:
+            raise InputError(f"{name}={short_repr(body[name])} is not supported by this server's /v1/responses "
+                             f"(text in, text out); leave it out")
+    if _bool(body, "stream"):
+        raise InputError("stream is not supported on /v1/responses here; use /v1/chat/completions with "
+                         "\"stream\": true")
+    turns = _response_input(body.get("input"))
+    if body.get("instructions") is not None:
+        if not isinstance(body["instructions"], str):
+            raise InputError(f"instructions must be a string, got {short_repr(body['instructions'])}")
+        turns = [{"role": "system", "content": body["instructions"]}, *turns]
+    chat = {k: body[k] for k in ("model", "temperature", "top_p") if k in body}
+    return parse_chat({**chat, "messages": turns, "max_tokens": body.get("max_output_tokens")}, tokenizer, model_name)
+
+
+def _response_input(value) -> list[dict]:
+    """Responses' `input` as chat messages: a string is one user message; list items are messages
+    (type "message" or none) whose content is a string or input_text/output_text parts."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InputError("input must be a string or a non-empty list of {\"role\": ..., \"content\": ...}")
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or item.get("type", "message") != "message" or "role" not in item:
+            raise InputError(f"input[{i}] must be a message {{\"role\", \"content\"}} (text only here), "
+                             f"got {short_repr(item)}")
+        content = item.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str)
+                       for p in content):
+                raise InputError(f"input[{i}].content: only text parts ({', '.join(TEXT_PARTS)}) are supported")
+            content = "".join(p["text"] for p in content)
+        out.append({"role": item["role"], "content": content})
+    return out
 
 
 def messages(messages) -> list[dict]:
@@ -164,33 +271,47 @@ def messages(messages) -> list[dict]:
     return out
 
 
-def chat_prompt_ids(messages: list[dict], tokenizer) -> list[int]:
+def _template_kwargs(kwargs, tokenizer) -> dict:
+    """vLLM's chat_template_kwargs (Qwen3's {"enable_thinking": false}): variables for the folder's
+    template. A name of apply_chat_template's own arguments would change how it runs: refused."""
+    if kwargs is None:
+        return {}
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k not in own for k in kwargs):
+        raise InputError(f"chat_template_kwargs must be an object of template variables (not one of "
+                         f"apply_chat_template's own arguments), got {short_repr(kwargs)}")
+    return kwargs
+
+
+def chat_prompt_ids(messages: list[dict], tokenizer, template_kwargs: dict | None = None) -> list[int]:
     """The ids the model continues from: the folder's chat template with the assistant's turn
-    opened, or MINIMAL_TEMPLATE."""
+    opened, or MINIMAL_TEMPLATE (which has no variables: template_kwargs change nothing there)."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **(template_kwargs or {}))
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
     text = "".join(MINIMAL_TEMPLATE.format(**m) for m in messages) + "assistant:"
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _prompts(prompt, tokenizer) -> list[list[int]]:
-    """A string or a list of ids is one prompt; a list of those is a batch (OpenAI's form)."""
+def _prompts(prompt, tokenizer, special: bool = False) -> list[list[int]]:
+    """A string or a list of ids is one prompt; a list of those is a batch (OpenAI's form).
+    special: the tokenizer adds its special tokens (a BOS) to a text prompt (vLLM's add_special_tokens)."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise InputError(f"prompt is a batch of {len(prompt)}; send at most {MAX_PROMPTS} prompts a request")
-        return [_prompt(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_prompt(prompt, tokenizer, "prompt")]
+        return [_prompt(p, tokenizer, f"prompt[{i}]", special) for i, p in enumerate(prompt)]
+    return [_prompt(prompt, tokenizer, "prompt", special)]
 
 
-def _prompt(prompt, tokenizer, name: str) -> list[int]:
+def _prompt(prompt, tokenizer, name: str, special: bool = False) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise InputError(f"{name} is empty; send some text or a list of token ids")
         if tokenizer is None:
             raise InputError("this model folder has no tokenizer; send the prompt as a list of token ids")
         _unicode(prompt, name)
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return tokenizer.encode(prompt, add_special_tokens=special)
     if isinstance(prompt, list):
         if not prompt:
             raise InputError(f"{name} is an empty list; send some text or token ids")
@@ -217,6 +338,20 @@ def _stop(stop) -> list[str]:
     for s in stop:
         _unicode(s, "stop")
     return stop
+
+
+SEED_LIMIT = 2**64  # torch.Generator seeds are unsigned 64-bit
+
+
+def _seed(body: dict, choices: int) -> int | None:
+    """The request's seed, or None; choice c draws with seed + c, which must stay a 64-bit seed."""
+    if body.get("seed") is None:
+        return None
+    seed = body["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_LIMIT - choices:
+        raise InputError(f"seed must be an integer in 0..2**64 - {choices} (choice c draws with seed + c), "
+                         f"got {short_repr(seed)}")
+    return seed
 
 
 def _unicode(text: str, name: str) -> None:

@@ -4,6 +4,7 @@ backpressure, and top_p. The server runs the embedded model and its tokenizer.""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 
@@ -275,6 +276,15 @@ BAD = [  # (body change, words the one-line message must contain)
     ({"echo": "yes"}, "echo must be true or false"),
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),  # 0 only with echo (scoring the prompt)
     ({"suffix": "amen"}, "not supported"),
+    ({"top_k": -2}, "top_k must be an integer >= -1"),  # vLLM: -1 or 0 is off, else at least 1
+    ({"top_k": 2.5}, "top_k"),
+    ({"min_p": 1.5}, "min_p must be a number in [0.0, 1.0]"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a number in (0.0, 2.0]"),
+    ({"min_tokens": 5}, "min_tokens must be an integer in 0..4"),  # more than max_tokens (4)
+    ({"seed": -1}, "seed must be an integer"),
+    ({"use_beam_search": True}, "not supported"),  # vLLM's extras: accepted at their defaults only
+    ({"guided_json": {"type": "object"}}, "not supported"),
 ]
 
 
@@ -678,3 +688,202 @@ def test_a_sample_ended_by_its_stop_string_is_counted_as_stop_not_aborted(served
     wait_idle(loop)
     assert _sample(loop, "kvcourse_requests_finished_total", reason="stop") == stopped + 2
     assert _sample(loop, "kvcourse_requests_finished_total", reason="aborted") == aborted
+
+
+# ---------------------------------------------------------------- issue 53: seeds of a batch
+
+
+def test_a_batch_without_a_seed_samples_every_prompt_on_its_own(served):
+    """Four equal prompts at T = 1 without a seed: one seed for the whole request gave all four
+    the same draws, so the same text. Each prompt now draws its own seed, as vLLM samples them."""
+    client, loop, _ = served
+    body = {"prompt": [PROMPT] * 4, "max_tokens": 12, "temperature": 1.0}
+    texts = [c["text"] for c in client.post("/v1/completions", json=body).json()["choices"]]
+    assert len(set(texts)) >= 3, texts
+    wait_idle(loop)
+
+
+def test_a_seeded_batch_repeats_and_choice_c_draws_with_seed_plus_c(served):
+    """With a seed, choice c of the response (prompt c // n, sample c % n) draws with seed + c:
+    the same request gives the same choices, and each equals a one-prompt request seeded seed + c."""
+    client, loop, _ = served
+    ask = {"prompt": [PROMPT, "And God said", PROMPT], "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    first = [c["token_ids"] for c in client.post("/v1/completions", json=ask).json()["choices"]]
+    again = [c["token_ids"] for c in client.post("/v1/completions", json=ask).json()["choices"]]
+    assert first == again and first[0] != first[4]  # prompts 0 and 2 are equal, their draws are not
+    for c, ids in enumerate(first):
+        alone = {"prompt": ask["prompt"][c // 2], "max_tokens": 8, "temperature": 1.0, "seed": 11 + c}
+        assert client.post("/v1/completions", json=alone).json()["choices"][0]["token_ids"] == ids, c
+    r = client.post("/v1/completions", json={**ask, "seed": 2**64 - 3})  # choice 5 would draw with 2**64 + 2
+    assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
+    wait_idle(loop)
+
+
+# ---------------------------------------------------------------- issue 53: how long a request runs by default
+
+
+def test_chat_without_max_tokens_runs_to_the_context_end_and_completions_default_to_16(embedded_model_dir):
+    """vLLM's defaults: chat (and completions with `max_tokens: null`) run to EOS, a stop or the end
+    of the context: max_model_len minus the prompt; completions without the field make 16 tokens
+    (OpenAI's legacy default, vLLM's too). Here the pool (8 blocks of 16) is smaller than the
+    model's 2,048 positions, so a request's end is 8 * 16 + 1 = 129 positions (its last token is
+    never written), which /v1/models reports as max_model_len."""
+    app, loop, _ = build_server(embedded_model_dir, num_blocks=8, block_size=16)
+    messages = [{"role": "user", "content": "Blessed are the"}]
+    with TestClient(app) as client:
+        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 129
+        for path, body in (("/v1/chat/completions", {"messages": messages}),
+                           ("/v1/completions", {"prompt": PROMPT, "max_tokens": None}),
+                           ("/v1/responses", {"input": "Blessed are the"})):
+            r = client.post(path, json={"temperature": 0, **body}).json()
+            usage = r["usage"]
+            total = usage.get("total_tokens")
+            finish = r["choices"][0]["finish_reason"] if "choices" in r else r["status"]
+            assert total == 129 and finish in ("length", "incomplete"), (path, usage, finish)
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "temperature": 0}).json()
+        assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
+        wait_idle(loop)
+        assert_no_leak(loop)
+
+
+# ---------------------------------------------------------------- issue 53: vLLM's sampling fields
+
+
+def test_top_k_1_and_min_p_1_sample_the_greedy_tokens(served):
+    """top_k 1 keeps only the most likely token, and so does min_p 1: sampled at T = 1.5 with any
+    seed, the tokens are greedy's. top_k -1 and 0 (vLLM's "off") and min_p 0 change nothing."""
+    client, loop, _ = served
+    greedy = complete(client, max_tokens=10).json()["choices"][0]["token_ids"]
+    for cut in ({"top_k": 1}, {"min_p": 1.0}, {"top_k": 1, "min_p": 0.5, "top_p": 0.9}):
+        r = complete(client, max_tokens=10, temperature=1.5, seed=3, n=2, **cut).json()
+        assert [c["token_ids"] for c in r["choices"]] == [greedy, greedy], cut
+    plain = complete(client, max_tokens=10, temperature=1.0, seed=4).json()["choices"][0]["token_ids"]
+    for off in ({"top_k": -1}, {"top_k": 0}, {"min_p": 0}):
+        assert complete(client, max_tokens=10, temperature=1.0, seed=4, **off).json()["choices"][0]["token_ids"] == plain
+    wait_idle(loop)
+
+
+@pytest.mark.parametrize("cut", [{"top_k": 3}, {"min_p": 0.2}, {"top_k": 5, "min_p": 0.1}])
+def test_sampled_tokens_lie_within_top_k_and_min_p_of_hfs_logits(served, embedded_model_dir, cut):
+    """Every token sampled (T = 1, 4 samples of 10 tokens, chat and completions) is one the cut
+    keeps, by HF's logits for its prefix: among the top_k largest, and with a probability at least
+    min_p times the largest. And the draws are not all greedy: the cut still samples."""
+    from harness import hf_reference as hf
+
+    client, loop, tok = served
+    model = hf.load_hf_model(str(embedded_model_dir))
+    prompt = tok.encode(PROMPT, add_special_tokens=False)
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 1.0, "n": 4, "seed": 21, **cut}
+    choices = client.post("/v1/completions", json=body).json()["choices"]
+    off_greedy = 0
+    for c in choices:
+        for j, token in enumerate(c["token_ids"]):
+            row = hf.hf_logits(model, prompt + c["token_ids"][:j])[-1].double()
+            if "top_k" in cut:  # ties with the k-th included; 1e-4: our logits and HF's differ by ~1e-5
+                assert row[token] >= row.topk(cut["top_k"]).values[-1] - 1e-4, (j, token)
+            if "min_p" in cut:
+                probs = torch.softmax(row, dim=-1)
+                assert probs[token] >= cut["min_p"] * probs.max() * (1 - 1e-3), (j, token)
+            off_greedy += token != int(row.argmax())
+    assert off_greedy > 0
+    chat = {"messages": [{"role": "user", "content": "Blessed"}], "max_tokens": 4, "temperature": 1.0, **cut}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    wait_idle(loop)
+
+
+def test_truncated_keeps_what_vllms_rules_keep():
+    """`truncated` (min_p, then top_k, then top_p over what is left) against the rules computed
+    here one token at a time, on random rows."""
+    from l11_serve import truncated
+
+    import random
+
+    gen, rng = torch.Generator().manual_seed(0), random.Random(0)
+    for trial in range(300):
+        row = torch.randn(50, generator=gen) * 3
+        T, k = rng.choice([0.5, 1.0, 1.7]), rng.choice([0, 1, 4, 10, 60])
+        min_p, top_p = rng.choice([0.0, 0.05, 0.3]), rng.choice([1.0, 0.9, 0.5])
+        logits = [float(x) / T for x in row]
+        best = max(logits)
+        keep = [math.exp(l - best) >= min_p for l in logits]  # p_i / p_max = exp(l_i - l_max)
+        if k:
+            kth = sorted(row.tolist(), reverse=True)[min(k, 50) - 1]
+            keep = [kept and float(x) >= kth for kept, x in zip(keep, row)]
+        kept_mass = sum(math.exp(l - best) for l, kept in zip(logits, keep) if kept)
+        order = sorted((i for i in range(50) if keep[i]), key=lambda i: -logits[i])
+        above, nucleus_set = 0.0, set()
+        for i in order:  # the smallest set of most likely tokens whose mass reaches top_p
+            if above < top_p:
+                nucleus_set.add(i)
+            above += math.exp(logits[i] - best) / kept_mass
+        want = [i in nucleus_set for i in range(50)]
+        assert truncated(row, T, k, min_p, top_p).isfinite().tolist() == want, (trial, k, min_p, top_p)
+
+
+def test_vllms_harmless_extras_are_accepted_at_their_defaults(served):
+    """What vLLM's clients send along (its defaults, a request_id) changes nothing; a typo is still
+    refused (vLLM would log it and sample with the default)."""
+    client, loop, _ = served
+    plain = complete(client, max_tokens=6).json()["choices"][0]["token_ids"]
+    extras = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "use_beam_search": False,
+              "length_penalty": 1.0, "include_stop_str_in_output": False, "skip_special_tokens": True,
+              "spaces_between_special_tokens": True, "prompt_logprobs": None, "priority": 0,
+              "request_id": "trace-7", "allowed_token_ids": None, "bad_words": [], "add_special_tokens": False}
+    assert complete(client, max_tokens=6, **extras).json()["choices"][0]["token_ids"] == plain
+    chat = {"messages": [{"role": "user", "content": "Amen"}], "max_tokens": 3, "temperature": 0}
+    chat_extras = {**extras, "add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {},
+                   "stop_token_ids": [], "include_reasoning": True}
+    del chat_extras["add_special_tokens"]
+    assert client.post("/v1/chat/completions", json={**chat, **chat_extras}).status_code == 200
+    r = complete(client, max_tokens=6, top_kk=5)
+    assert r.status_code == 400 and "unknown field 'top_kk'" in r.json()["error"]["message"]
+    wait_idle(loop)
+
+
+# ---------------------------------------------------------------- issue 53: /v1/responses, text only
+
+
+def test_responses_answers_text_as_chat_would_and_the_openai_client_reads_it(served):
+    """A string input is one user message; `instructions` a system message before the list of
+    messages; the text equals chat's for the same messages, and OpenAI's client reads output_text.
+    Streaming, tools and stored responses are refused with a 400 that names the field."""
+    openai = pytest.importorskip("openai")
+    client, loop, _ = served
+    messages = [{"role": "system", "content": "Speak as the preacher."},
+                {"role": "user", "content": "Vanity of vanities"}]
+    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0}).json()
+    want = chat["choices"][0]["message"]["content"]
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    answer = sdk.responses.create(model="tiny-qwen3-kjv", instructions=messages[0]["content"],
+                                  input=[{"role": "user", "content": [{"type": "input_text", "text": "Vanity of vanities"}]}],
+                                  max_output_tokens=8, temperature=0)
+    assert answer.output_text == want and answer.status == "incomplete"  # max_output_tokens ran out
+    assert answer.usage.input_tokens == chat["usage"]["prompt_tokens"] and answer.usage.output_tokens == 8
+    one = client.post("/v1/responses", json={"input": "Vanity of vanities", "max_output_tokens": 8, "temperature": 0})
+    alone = client.post("/v1/chat/completions", json={"messages": messages[1:], "max_tokens": 8, "temperature": 0})
+    assert one.json()["output"][0]["content"][0]["text"] == alone.json()["choices"][0]["message"]["content"]
+    for body, words in (({"input": "x", "stream": True}, "/v1/chat/completions"),
+                        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+                        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
+                        ({"inputs": "x"}, "unknown field 'inputs'")):
+        r = client.post("/v1/responses", json=body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+    wait_idle(loop)
+    assert_no_leak(loop)
+
+
+# ---------------------------------------------------------------- issue 53: a long stream's text
+
+
+def test_a_long_stream_sends_the_whole_decode_of_its_ids(served):
+    """700 tokens streamed (the incremental detokenizer's windows, sampled so that rare tokens and
+    split characters come up): the chunks' texts joined are the decode of the chunks' ids."""
+    client, loop, tok = served
+    body = {"prompt": PROMPT, "max_tokens": 700, "temperature": 1.3, "seed": 5, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [c["choices"][0] for c in sse_chunks(r.iter_lines())[:-1]]
+    ids = sum((c["token_ids"] for c in chunks), [])
+    assert len(ids) == 700 or chunks[-1]["finish_reason"] == "stop"
+    assert "".join(c["text"] for c in chunks) == tok.decode(ids, skip_special_tokens=True)
+    wait_idle(loop)
