@@ -246,6 +246,8 @@ def _response_input(value) -> list[dict]:
                        for p in content):
                 raise InputError(f"input[{i}].content: only text parts ({', '.join(TEXT_PARTS)}) are supported")
             content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InputError(f"input[{i}].content must be a string or a list of text parts, got {short_repr(content)}")
         out.append({"role": item["role"], "content": content})
     return out
 
