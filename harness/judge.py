@@ -38,7 +38,7 @@ code produced, as any reply is; the judge's own arithmetic (expected ids, finger
 in the judge.
 
 Status (2026-11-27): the Gradescope runner (instructor/autograder/grade.py) judges every lesson's
-tests (JUDGED_LESSONS there) and their notebooks; measured judged on the solution: L1-L3's graded
+tests (JUDGED_LESSONS there; notebooks are not graded there); measured judged on the solution: L1-L3's graded
 tests 115/115, L10 19/19 (100 s; 13 s in one process), L12 22/22; L2's allocator file 4 s (1.4 s in
 one process); L5 through the bundle 184/184 points (its four files 442 s; the 300-request soaks
 check only the live requests each step, see tests/test_l5_invariants.py); L8's five files 124/124
@@ -48,9 +48,7 @@ tests/probes_l13.py); a fresh student copy 0/163 for L8 and L13 together; L11's 
 in 23 s (the server, its engine thread and what changes that thread run in the worker:
 tests/probes_l11.py; the HTTP clients and every check in the judge), a fresh copy 0/26; L14's graded
 files 42/42 in 19 s (the stand-in requests, the connectors that watch a step, the folders the tiers
-write and the two-process runs are made in the worker: tests/probes_l14.py), a fresh copy 0/42; the
-ten notebooks 20/20 in 86 s, a fresh copy 0/20 (each runs in a Jupyter kernel started as the worker:
-`kernel_command`; nbclient and the verdict stay in the judge). A test interrupted while the worker
+write and the two-process runs are made in the worker: tests/probes_l14.py), a fresh copy 0/42. A test interrupted while the worker
 runs (its time limit) stops the worker, and pytest stops after that test (Endpoint.stop): the runner
 goes on with the remaining tests and a new worker.
 """
@@ -753,6 +751,8 @@ class Endpoint:
             return delattr(target, str(message["name"]))
         if op == "call":
             return target(*decode("args", []), **decode("kwargs", {}))
+        if op == "plain":
+            return plain_copy(target)
         if op == "operator":
             function = OPERATORS.get(message.get("name"))
             if function is None:
@@ -767,27 +767,31 @@ _EXCEPTION_CLASSES: dict[tuple, type] = {}
 
 
 def exception_class(data: dict) -> type:
-    module, name = data.get("module"), data.get("name")
+    """The judge's class for an exception class the worker names. Only exceptions cross: a class
+    that is not an Exception subclass here (KeyboardInterrupt, SystemExit, pytest's Skipped and
+    Failed: BaseException's others, which steer the judge's own run) is never rebuilt as itself;
+    the worker gets a plain Exception subclass of that name instead, which fails the test."""
+    module, name = str(data.get("module")), str(data.get("name"))
     if module == "builtins":
-        cls = getattr(builtins, str(name), None)
-        if isinstance(cls, type) and issubclass(cls, BaseException):
+        cls = getattr(builtins, name, None)
+        if isinstance(cls, type) and issubclass(cls, Exception):
             return cls
-        return Exception
+    else:
+        local = sys.modules.get(module)
+        if local is not None and not isinstance(local, RemoteModule) and not module.startswith(("_pytest", "pytest")):
+            cls = local  # e.g. a test's own exception class, raised through a callback
+            for part in name.split("."):
+                cls = getattr(cls, part, None)
+            if isinstance(cls, type) and issubclass(cls, Exception):
+                return cls
     key = (module, name)
-    local = sys.modules.get(str(module))
-    if local is not None and not isinstance(local, RemoteModule):  # e.g. a test's own exception class
-        cls = local
-        for part in str(name).split("."):
-            cls = getattr(cls, part, None)
-        if isinstance(cls, type) and issubclass(cls, BaseException):
-            return cls
     if key not in _EXCEPTION_CLASSES:
-        bases = tuple(exception_class(b) for b in data.get("bases", [])) or (Exception,)
+        bases = tuple(exception_class(b) for b in data.get("bases", []) if isinstance(b, dict)) or (Exception,)
         try:
-            cls = type(str(name).rsplit(".", 1)[-1], bases, {"__module__": str(module), "__str__": _remote_str})
+            cls = type(name.rsplit(".", 1)[-1], bases, {"__module__": module, "__str__": _remote_str})
         except TypeError:  # bases whose layouts conflict: keep the first
-            cls = type(str(name).rsplit(".", 1)[-1], bases[:1], {"__module__": str(module), "__str__": _remote_str})
-        cls.__qualname__ = str(name)
+            cls = type(name.rsplit(".", 1)[-1], bases[:1], {"__module__": module, "__str__": _remote_str})
+        cls.__qualname__ = name
         _EXCEPTION_CLASSES[key] = cls
     return _EXCEPTION_CLASSES[key]
 
@@ -817,6 +821,66 @@ def rebuild_exception(data: dict, args, attrs: dict) -> BaseException:
 def _operator(name):
     def method(self, *args):
         return self._endpoint.request("operator", id=self._handle, name=name, args=list(args))
+    method.__name__ = f"__{name}__"
+    return method
+
+
+_NO_VALUE = object()
+_PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
+
+
+def _is_plain_data(value, depth: int = 0) -> bool:
+    """Built-in scalars and containers of them, of exactly those types: what the judge compares."""
+    if depth > MAX_DEPTH:
+        return False
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return True
+    if kind in (list, tuple, set, frozenset):
+        return all(_is_plain_data(v, depth + 1) for v in value)
+    if kind is dict:
+        return all(_is_plain_data(k, depth + 1) and _is_plain_data(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def plain_copy(value, depth: int = 0):
+    """In the worker: `value` as exact built-in data (a subclass of list, int, ... by its underlying
+    data, not its overridden methods; a named tuple as a tuple); TypeError for anything else."""
+    if depth > MAX_DEPTH:
+        raise TypeError("nested too deep to compare")
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return value
+    copy = lambda v: plain_copy(v, depth + 1)  # noqa: E731
+    if isinstance(value, enum.Enum):
+        raise TypeError("an enum member is compared by identity")
+    for base, read in ((bool, bool.__bool__), (int, int.__int__), (float, float.__float__), (str, str.__str__),
+                       (bytes, bytes.__bytes__)):
+        if isinstance(value, base):
+            return read(value)
+    if isinstance(value, dict):
+        return {copy(k): copy(v) for k, v in dict.items(value)}
+    for base in (list, tuple, set, frozenset):
+        if isinstance(value, base):
+            return base(copy(v) for v in base.__iter__(value))
+    raise TypeError(f"a {kind.__name__} has no plain value")
+
+
+def _value_of(obj):
+    """What the judge compares: its own objects as they are, a worker object by its plain value."""
+    if isinstance(obj, RemoteObject):
+        value = obj._plain()
+        if value is _NO_VALUE:
+            raise TypeError("an object of the student's code that is not plain data is compared only by identity")
+        return value
+    return obj
+
+
+def _compare(name):
+    compare = getattr(operator, name)
+
+    def method(self, other):
+        return compare(_value_of(self), _value_of(other))
     method.__name__ = f"__{name}__"
     return method
 
@@ -864,6 +928,54 @@ class RemoteObject:
     def __call__(self, *args, **kwargs):
         return self._endpoint.request("call", id=self._handle, args=list(args), kwargs=kwargs)
 
+    def _plain(self):
+        """The object's value as exact built-in data, computed in the worker from its underlying
+        data (plain_copy); _NO_VALUE when it has none (an instance of a lesson's class)."""
+        if self._handle in self._endpoint.pinned:  # an enum member: compared by identity
+            return _NO_VALUE
+        try:
+            value = self._endpoint.request("plain", id=self._handle)
+        except JudgeError:
+            raise
+        except Exception:
+            return _NO_VALUE
+        if not _is_plain_data(value):
+            raise JudgeError("the worker answered a request for plain data with something else")
+        return value
+
+    # Comparisons, membership and truth are the judge's: the worker sends a value and never sees
+    # what it is compared with (a list subclass answering `==` with True would pass any assert).
+    def __eq__(self, other):
+        if isinstance(other, RemoteObject) and other._handle == self._handle:
+            return True
+        mine = self._plain()
+        if mine is _NO_VALUE:
+            return NotImplemented if not isinstance(other, RemoteObject) else False
+        theirs = other._plain() if isinstance(other, RemoteObject) else other
+        return theirs is not _NO_VALUE and mine == theirs
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __lt__, __le__, __gt__, __ge__ = _compare("lt"), _compare("le"), _compare("gt"), _compare("ge")
+
+    def __contains__(self, item):
+        value = self._plain()
+        return any(v == item for v in (self if value is _NO_VALUE else value))
+
+    def __len__(self):
+        value = self._plain()
+        if value is not _NO_VALUE:
+            return len(value)
+        return self._endpoint.request("operator", id=self._handle, name="len", args=[])
+
+    def __bool__(self):
+        value = self._plain()
+        if value is not _NO_VALUE:
+            return bool(value)
+        return self._endpoint.request("operator", id=self._handle, name="bool", args=[])
+
     def __iter__(self):
         iterator = self._endpoint.request("operator", id=self._handle, name="iter", args=[])
         if not isinstance(iterator, RemoteObject):
@@ -897,8 +1009,6 @@ class RemoteObject:
         raise TypeError("an object of the student's code lives in the grading worker and cannot be pickled")
 
     __next__ = _operator("next")
-    __bool__ = _operator("bool")
-    __len__ = _operator("len")
     __str__ = _operator("str")
     __repr__ = _operator("repr")
     __int__ = _operator("int")
@@ -907,13 +1017,6 @@ class RemoteObject:
     __getitem__ = _operator("getitem")
     __setitem__ = _operator("setitem")
     __delitem__ = _operator("delitem")
-    __contains__ = _operator("contains")
-    __eq__ = _operator("eq")
-    __ne__ = _operator("ne")
-    __lt__ = _operator("lt")
-    __le__ = _operator("le")
-    __gt__ = _operator("gt")
-    __ge__ = _operator("ge")
     __add__ = _operator("add")
     __sub__ = _operator("sub")
     __mul__ = _operator("mul")
@@ -1153,10 +1256,7 @@ def install(command: list[str], packages: set[str], prefixes: tuple[str, ...] = 
     """Start the worker (`command` + two fd numbers it reads and writes) and serve `packages`'
     imports from it. Lesson modules already imported here would have run the student's code:
     refused."""
-    already = sorted(name for name in sys.modules
-                     if name.split(".")[0] in packages or name.startswith(prefixes or ("\0",)))
-    if already:
-        raise JudgeError(f"lesson modules were imported before the judge started: {already}")
+    _refuse_lessons_imported(packages, prefixes)
     to_worker_r, to_worker_w = os.pipe()
     from_worker_r, from_worker_w = os.pipe()
     env = {k: v for k, v in os.environ.items() if k != ENV}  # the worker judges nothing
@@ -1169,6 +1269,27 @@ def install(command: list[str], packages: set[str], prefixes: tuple[str, ...] = 
     sys.meta_path.insert(0, _RemoteFinder(endpoint, packages, prefixes))
     atexit.register(_stop_worker, endpoint)
     return endpoint
+
+
+def attach(spec: dict, packages: set[str], prefixes: tuple[str, ...] = ()) -> Endpoint:
+    """Serve `packages`' imports from a worker someone else started (the grader, as another user):
+    its pipes are inherited here, `spec["fds"]` = [read, write]. This process cannot stop that
+    worker; its starter does, when this process ends."""
+    fds = spec.get("fds")
+    if not (isinstance(fds, list) and len(fds) == 2 and all(isinstance(fd, int) for fd in fds)):
+        raise JudgeError(f'{ENV}: "fds" must be two file descriptors, read and write')
+    _refuse_lessons_imported(packages, prefixes)
+    endpoint = Endpoint(Channel(os.fdopen(fds[0], "rb"), os.fdopen(fds[1], "wb")), "judge")
+    sys.meta_path.insert(0, _RemoteFinder(endpoint, packages, prefixes))
+    atexit.register(_stop_worker, endpoint)
+    return endpoint
+
+
+def _refuse_lessons_imported(packages: set[str], prefixes: tuple[str, ...]) -> None:
+    already = sorted(name for name in sys.modules
+                     if name.split(".")[0] in packages or name.startswith(prefixes or ("\0",)))
+    if already:
+        raise JudgeError(f"lesson modules were imported before the judge started: {already}")
 
 
 def _stop_worker(endpoint: Endpoint) -> None:
@@ -1199,20 +1320,14 @@ def install_from_environment() -> Endpoint | None:
     if not spec:
         return None
     command = json.loads(spec)
+    if isinstance(command, dict):
+        ENDPOINT = attach(command, set(lesson_packages()), prefixes=("probes",))
+        return ENDPOINT
     if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
-        raise JudgeError(f"{ENV} must be a JSON list of strings: the command that starts the worker")
+        raise JudgeError(f"{ENV} must be a JSON list of strings (the command that starts the worker) or an "
+                         'object {"fds": [read, write], "pid": worker} (a worker already started)')
     ENDPOINT = install(command, set(lesson_packages()), prefixes=("probes",))
     return ENDPOINT
-
-
-def kernel_command() -> list[str] | None:
-    """Under the judge, the argv of a Jupyter kernel spec whose kernel runs where the worker runs
-    (the worker's user, limits and tree): tests/test_notebooks.py drives it from the judge's
-    process, and the verdict (every cell ran, a picture came back) is made there. None otherwise."""
-    spec = os.environ.get(ENV)
-    if not spec:
-        return None
-    return [*json.loads(spec), "--kernel", "{connection_file}"]
 
 
 def serve(read_fd: int, write_fd: int) -> None:

@@ -28,7 +28,6 @@ from l1_contiguous.config import Qwen3Config
 
 from . import compare
 from .cli import interrupt_received, sane_streams, say_error, watch_interrupts
-from . import hf_reference as hf
 from .forcing import ForcedPaths, forcing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -322,6 +321,8 @@ def _stdout_to_devnull() -> None:
 
 def compare_with_hf(setup: Setup, result: LessonRun,
                     teacher_force: Callable[[ForcedPaths], ForcedPaths] | None = None) -> dict:
+    from . import hf_reference as hf  # here, not at the top: the grader's worker has no transformers
+
     try:
         model = hf.load_hf_model(str(setup.model_dir), setup.device, setup.dtype)
     except Exception as exc:  # our loader read the folder; what HF still refuses is the folder's fault
@@ -342,6 +343,8 @@ def compare_with_hf(setup: Setup, result: LessonRun,
 
 def _compare_one(model, setup: Setup, r: RequestResult, hf_ids: list[int], hf_logits: torch.Tensor,
                  forced: ForcedPaths | None) -> dict:
+    from . import hf_reference as hf
+
     gaps = hf.top2_gaps(hf_logits)
     forced_rows = forced.logits(r.prompt_ids) if forced is not None else None
     if forced_rows is None and r.ids != hf_ids and not compare.exact_required(setup.dtype):

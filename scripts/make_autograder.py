@@ -95,6 +95,10 @@ def collect_manifest(copy: Path, lessons: list[str]) -> dict:
     slow = [nodeid for nodeid, test in tests.items() if test["slow"]]
     if slow:  # the bundle runs no soak (Gradescope's time limit): a graded one could never be earned
         raise SystemExit(f"error: tests marked slow carry points: {slow}; give their points to the bounded version")
+    # The bundle grades no notebook: its cells run in a kernel that is the student's code, so whatever
+    # the kernel reports is the student's to forge. Notebooks earn their points in the student's own
+    # `make test`; the judged tests grade the same functions.
+    tests = {nodeid: test for nodeid, test in tests.items() if not test["notebook"]}
     return {"lessons": lessons, "packages": list(LESSON_PACKAGES.values()), "tests": tests}
 
 

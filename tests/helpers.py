@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +64,13 @@ def kjv_prompts(model_dir, spans: list[tuple[int, int]]) -> list[list[int]]:
     prompts = [tokenizer.encode(text[start:]).ids[:length] for start, length in spans]
     assert all(len(p) == n for p, (_, n) in zip(prompts, spans)), "the held-out text is too short for these spans"
     return prompts
+
+
+def student_package(name: str) -> Path:
+    """The folder of the student's lesson package `name`, from a path the judge was given by the
+    grader (KVCOURSE_STUDENT_TREE), never from the package's own `__file__`, which under the judge
+    is the student's code's answer and could name any file."""
+    return Path(os.environ.get("KVCOURSE_STUDENT_TREE", Path(__file__).resolve().parent.parent)) / name
 
 
 def load_script(name: str):

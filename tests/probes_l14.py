@@ -38,6 +38,21 @@ def scratch_folder() -> str:
     return folder
 
 
+def write_file(path, data: bytes) -> None:
+    """Written by the student's side (under the judge: the worker, as its user): the judge never
+    opens a path the worker names."""
+    Path(path).write_bytes(data)
+
+
+def cut_file(path, cut: int) -> None:
+    """The file at `path` without its last `cut` bytes (a write the disk did not finish)."""
+    Path(path).write_bytes(Path(path).read_bytes()[:-cut])
+
+
+def file_exists(path) -> bool:
+    return Path(path).exists()
+
+
 def connector_state(connector) -> dict:
     """The connector and its store as plain data: what a side-effect-free call must leave alone."""
     store = connector.store

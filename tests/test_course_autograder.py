@@ -269,20 +269,67 @@ _torch.Tensor.__eq__ = lambda self, other: _torch.ones((), dtype=_torch.bool)
 '''
 
 
-@pytest.mark.parametrize("cheat", [PLUGIN_PATCH + ATEXIT_REWRITE, FORGED_OUTCOMES, PATCHED_COMPARISONS],
-                         ids=["plugin-and-atexit", "forged-outcomes", "patched-comparisons"])
-def test_patching_the_grader_from_a_stub_submission_earns_nothing_and_is_flagged(bundle, tmp_path, cheat):
+# Issue 52: an exception class named as pytest's Skipped, rebuilt by name in the judge, turned every
+# failing test into a skip, and skipped tests vanished from results.json.
+FORGED_SKIPS = '''
+import builtins as _builtins  # every stub's NotImplementedError arrives named as pytest's skip
+class Skipped(BaseException):
+    pass
+Skipped.__module__ = "_pytest.outcomes"
+_builtins.NotImplementedError = Skipped
+'''
+# Issue 52: a list subclass crossed as a handle, so `==`, `in`, `len` and `bool` in the judge's asserts
+# were answered by the student's code (which also saw the expected value).
+ALWAYS_EQUAL = '''
+import sys as _sys, types as _types
+class _Yes(list):  # equal to anything, holding anything; any attribute or call is itself
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    def __contains__(self, item):
+        return True
+    def __len__(self):
+        return 4
+    def __getattr__(self, name):
+        return self
+    def __call__(self, *args, **kwargs):
+        return self
+    __hash__ = None
+def _yes(*args, **kwargs):
+    return _Yes()
+for _module in [m for n, m in list(_sys.modules.items()) if n.startswith("l2_paged")]:
+    for _name, _value in list(vars(_module).items()):
+        if isinstance(_value, _types.FunctionType):
+            setattr(_module, _name, _yes)
+        elif isinstance(_value, type) and _value.__module__.startswith("l2_paged"):
+            for _attr, _fn in list(vars(_value).items()):
+                if isinstance(_fn, _types.FunctionType):
+                    setattr(_value, _attr, (lambda self, *a, **k: None) if _attr == "__init__" else _yes)
+'''
+
+
+@pytest.mark.parametrize("init,cheat", [("l1_contiguous/__init__.py", PLUGIN_PATCH + ATEXIT_REWRITE),
+                                        ("l1_contiguous/__init__.py", FORGED_OUTCOMES),
+                                        ("l1_contiguous/__init__.py", PATCHED_COMPARISONS),
+                                        ("l1_contiguous/__init__.py", FORGED_SKIPS),
+                                        ("l2_paged/__init__.py", ALWAYS_EQUAL)],
+                         ids=["plugin-and-atexit", "forged-outcomes", "patched-comparisons", "forged-skips",
+                              "always-equal-results"])
+def test_patching_the_grader_from_a_stub_submission_earns_nothing_and_is_flagged(bundle, tmp_path, init, cheat):
     """A stub's honest score is 0; so is the cheat's. The graded tests are judged: the patches
     change the worker's harness and torch, never the grader's reports or comparisons (so no canary
-    is forged either: the forgery never reaches them)."""
-    init = "l1_contiguous/__init__.py"
+    is forged either: the forgery never reaches them); every graded test is in results.json, none
+    skipped away."""
     text = (bundle / "source" / init).read_text()
     results = run_bundle(bundle, submit(tmp_path, bundle / "source", edits={init: (text, text + cheat)}), tmp_path)
     assert results["score"] == 0, [t["name"] for t in results["tests"] if t["score"]]
     assert results["tests"] and "== judged tests:" in results["log"]
     assert results["extra_data"]["forged_canaries"] == []
-    if cheat != PATCHED_COMPARISONS:
-        assert "FLAG for the instructor: l1_contiguous/__init__.py: the grading plugin" in results["log"]
+    manifest = json.loads((bundle / "source" / "grading_manifest.json").read_text())
+    assert {t["name"] for t in results["tests"]} == {n for n in manifest["tests"] if n.startswith(FAST)}
+    if cheat in (PLUGIN_PATCH + ATEXIT_REWRITE, FORGED_OUTCOMES):
+        assert f"FLAG for the instructor: {init}: the grading plugin" in results["log"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the worker switches to an unprivileged user only when run as root")
@@ -293,7 +340,7 @@ def test_the_worker_runs_as_a_user_that_cannot_write_the_results(bundle, tmp_pat
     atexit.register(shutil.rmtree, work, ignore_errors=True)
     work.chmod(0o711)
     try:
-        python = grade.worker_python(sys.executable, user, work)
+        python = grade.python_for(sys.executable, user, work, "worker-python")
     except grade.Refused as exc:
         pytest.skip(f"the grader cannot run the worker on this machine: {exc}")
     probe = "import os, sys; open(sys.argv[1], 'w')"
@@ -424,25 +471,16 @@ def test_attacks_on_the_machine_and_the_reports_are_contained_and_earn_nothing(b
     assert not [pid for pid in bombs if alive(pid)], "processes of the fork bomb outlived the grading"
 
 
-def test_a_notebooks_cells_run_as_the_worker_and_its_verdict_is_the_graders(bundle, tmp_path):
-    """A lesson's notebook runs in a kernel started as the worker: the student's code in it has the
-    worker's user (never the grader's), and the solution's notebook earns its 2 points from the
-    kernel's replies, judged in the grader's pytest (a fresh copy's notebooks earn 0: the whole-grade
-    test)."""
-    notes = Path(tempfile.mkdtemp(prefix="kernel-"))
-    notes.chmod(0o777)
-    whoami = f"import os as _os\nopen({str(notes / 'uid')!r}, 'a').write(f'{{_os.getuid()}} {{_os.getppid()}}\\n')\n"
-    select = "tests/test_notebooks.py::test_notebook_executes_and_draws[L1_contiguous]"
-    honest = run_bundle(bundle, submit(tmp_path / "honest", ROOT, edits={
-        "l1_contiguous/__init__.py": ("\n__all__", f"\n{whoami}__all__")}), tmp_path / "honest", select=select,
-        pytest_args="-k L1_contiguous")  # the part runs its whole file: only this notebook, to keep it short
-    assert honest["score"] == 2, honest["log"][-2000:]
-    uids = {int(line.split()[0]) for line in note_of(notes / "uid").split("\n") if line}
-    if os.geteuid() == 0:  # as root the worker is autograder-student; otherwise it is this user
-        import pwd
-        assert uids == {pwd.getpwnam("autograder-student").pw_uid}, uids
-    else:
-        assert uids == {os.getuid()}, uids
+def test_the_bundle_grades_no_notebook_and_no_test_that_may_skip(bundle):
+    """Issue 52: a notebook's cells run in a kernel that is the student's code (an input transformer
+    installed from a package replaced every later cell), so its verdict cannot be trusted: the
+    bundle's manifest holds no notebook, and no gpu test (the grader has no GPU; a skipped test
+    earns nothing there)."""
+    manifest = json.loads((bundle / "source" / "grading_manifest.json").read_text())
+    assert not [n for n in manifest["tests"] if "test_notebooks.py" in n]
+    assert not [n for n, t in manifest["tests"].items() if "gpu" in t.get("keywords", [])]
+    grade = load_script_at(bundle / "source" / "grade.py")
+    assert not hasattr(grade, "worker_kernel_file"), "the grader still writes a kernel's connection file as root"
 
 
 def test_symlinks_devices_and_oversized_files_in_the_upload_are_skipped_and_named(bundle, tmp_path):
@@ -631,16 +669,14 @@ def test_a_canary_never_run_is_a_forgery_sign_only_where_the_worker_writes_the_r
 
 
 def test_the_short_parts_run_first_and_the_run_stops_before_gradescope_does():
-    """A run cut off by its time limit loses the tail of the long judged part, never the notebooks
-    (slow one by one, few) or the hidden tests wholesale; the default limit ends the run before
+    """A run cut off by its time limit loses the tail of the long judged part, never the hidden
+    tests wholesale; the default limit ends the run before
     Gradescope's longest timeout (40 minutes), after which nothing the run did is shown."""
     grade = load_script_at(ROOT / "instructor" / "autograder" / "grade.py")
     manifest = {"tests": {"tests/test_l1_model.py::test_a": {"lesson": "l1"},
-                          "tests/test_notebooks.py::test_notebook_executes_and_draws[L1_contiguous]":
-                              {"lesson": "l1", "notebook": True},
                           "tests/test_l1_hidden.py::test_h": {"lesson": "l1"},
                           "tests/test_x_unjudged.py::test_u": {"lesson": "l99"}},
                 "hidden_files": ["tests/test_l1_hidden.py"]}
     parts = grade.split_parts(manifest, [])
-    assert [p.name for p in parts] == ["judged notebooks", "judged hidden tests", "judged tests", "tests"]
+    assert [p.name for p in parts] == ["judged hidden tests", "judged tests", "tests"]
     assert grade.DEFAULT_TIME_LIMIT_S < 40 * 60

@@ -166,6 +166,63 @@ def test_an_exception_is_rebuilt_with_its_class_attributes_and_the_workers_trace
         remote(judging, worker, {})["missing"]
 
 
+class _AlwaysEqual(list):
+    """A student's list that says it equals anything, contains anything and is as long as asked."""
+
+    seen: list = []
+
+    def __eq__(self, other):
+        _AlwaysEqual.seen.append(other)
+        return True
+
+    __ne__ = lambda self, other: False  # noqa: E731
+    __contains__ = lambda self, item: True  # noqa: E731
+    __hash__ = None
+
+
+def test_comparisons_are_the_judges_on_plain_data_never_answered_by_the_worker(pair):
+    """Issue 52: a list or int subclass crosses as a handle; `==`, `!=`, `<`, `in`, `len` and
+    `bool` on it are computed in the judge from its underlying data, and the worker never sees
+    what it is compared with."""
+    judging, worker = pair
+    _AlwaysEqual.seen.clear()
+    forged = remote(judging, worker, _AlwaysEqual([1, 2]))
+    assert isinstance(forged, judge.RemoteObject)
+    assert forged == [1, 2] and forged != [9, 9, 9] and not (forged == [9, 9, 9])
+    assert 2 in forged and 7 not in forged and len(forged) == 2 and bool(forged)
+    assert _AlwaysEqual.seen == [], "the worker saw what its value was compared with"
+
+    class Lying(int):
+        def __eq__(self, other):
+            return True
+        __hash__ = int.__hash__
+
+        def __lt__(self, other):
+            return True
+
+    three = remote(judging, worker, Lying(3))
+    assert three == 3 and three != 4 and not three < 2 and three > 2
+    # an object with no plain value is equal only to itself, and has no order
+    engine = remote(judging, worker, types.SimpleNamespace(x=1))
+    assert engine == engine and engine != [1] and engine != remote(judging, worker, types.SimpleNamespace(x=1))
+    with pytest.raises(TypeError):
+        engine < 3  # noqa: B015
+
+
+def test_an_exception_that_would_steer_the_judges_run_arrives_as_a_plain_failure():
+    """Issue 52: a worker that raises pytest's Skipped (or names it), KeyboardInterrupt or SystemExit
+    gets a plain Exception subclass of that name in the judge: the test fails, it is never skipped,
+    and the judge's run is not stopped."""
+    from _pytest.outcomes import Skipped
+
+    for module, name in (("_pytest.outcomes", "Skipped"), ("builtins", "KeyboardInterrupt"),
+                         ("builtins", "SystemExit"), ("pytest", "skip.Exception")):
+        cls = judge.exception_class({"module": module, "name": name, "bases": [
+            {"module": "builtins", "name": "BaseException", "bases": []}]})
+        assert issubclass(cls, Exception) and not issubclass(cls, (Skipped, KeyboardInterrupt, SystemExit)), name
+    assert judge.exception_class({"module": "builtins", "name": "ValueError", "bases": []}) is ValueError
+
+
 def test_the_worker_may_call_a_callback_and_nothing_else(pair):
     judging, worker = pair
     seen = []

@@ -12,7 +12,7 @@ import torch
 
 from l1_contiguous import InputError
 from l14_kv_transfer import CpuTier, FileTier, TieredStore
-from probes_l14 import scratch_folder
+from probes_l14 import cut_file, file_exists, scratch_folder, write_file
 
 pytestmark = [pytest.mark.l14]
 
@@ -134,20 +134,20 @@ def test_a_cut_file_is_an_error_never_data_and_a_temporary_file_is_no_block(tier
     tier = FileTier(4, tier_dir / "files")
     tier.put(key(0), block(0))
     path = tier.path(key(0))
-    path.write_bytes(path.read_bytes()[:-5])
+    cut_file(path, 5)
     with pytest.raises(OSError, match="header says"):
         tier.get(key(0))
-    (tier_dir / "files" / (key(1).hex() + ".tmp")).write_bytes(b"half")
+    write_file(tier_dir / "files" / (key(1).hex() + ".tmp"), b"half")
     assert key(1) not in tier
     tier.clear()
-    assert not path.exists() and len(tier) == 0
+    assert not file_exists(path) and len(tier) == 0
 
 
 @pytest.mark.parametrize("capacity", [-1, 1.5, True, "4"])
 def test_a_bad_capacity_or_folder_is_one_clear_error(capacity, tier_dir):
     with pytest.raises(InputError, match="capacity"):
         CpuTier(capacity)
-    (tier_dir / "afile").write_text("x")
+    write_file(tier_dir / "afile", b"x")
     with pytest.raises(InputError, match="is a file"):
         FileTier(2, tier_dir / "afile")
 

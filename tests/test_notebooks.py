@@ -8,7 +8,6 @@ notebook that fails or times out leaves the kernel restarted for the next one.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -27,23 +26,11 @@ def _param(path: Path):
 
 
 @pytest.fixture(scope="session")
-def notebook_kernel(tmp_path_factory):
-    """One kernel for every notebook. Under the judge (harness/judge.py) it runs as the grading
-    worker does, the student's code inside it; this process only sends cells and reads replies."""
-    from jupyter_client.kernelspec import KernelSpecManager
+def notebook_kernel():
+    """One kernel for every notebook."""
     from jupyter_client.manager import KernelManager
 
-    from harness.judge import kernel_command
-
-    command = kernel_command()
-    if command is None:
-        km = KernelManager(kernel_name="python3")
-    else:
-        specs = tmp_path_factory.mktemp("kernels")
-        (specs / "judged").mkdir()
-        (specs / "judged" / "kernel.json").write_text(json.dumps(
-            {"argv": command, "display_name": "judged", "language": "python"}))
-        km = KernelManager(kernel_name="judged", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(specs)]))
+    km = KernelManager(kernel_name="python3")
     km.start_kernel(cwd=str(ROOT))
     yield km
     km.shutdown_kernel(now=True)

@@ -9,11 +9,12 @@ results.json:
    symlinks, devices, pipes and bigger files are skipped, never followed, and named. Which
    packages were graded, which were not found and which files were skipped goes into results.json's
    top-level `output`, which the student sees.
-2. The tests run in parts, the short ones first: the notebooks (few tests, each slow), the
-   hidden test files (instructor/hidden_tests/), which are in a scratch tree only during their own
-   part, so no visible output can carry their source, then the judged tests and the other visible
-   tests. Each part has two planted canary tests with random names, which must fail. A part runs
-   until its tests end or the whole run's time limit is reached; a run cut off by it loses only the
+2. The tests run in parts, the short ones first: the hidden test files (instructor/hidden_tests/),
+   which are in a scratch tree only during their own part, so no visible output can carry their
+   source, then the judged tests and the other visible tests. No notebook is graded (the manifest
+   leaves them out): a notebook's verdict would come from a kernel that runs the student's code.
+   Each part has two planted canary tests with random names, which must fail. A part runs until
+   its tests end or the whole run's time limit is reached; a run cut off by it loses only the
    tests not yet run (the tail of the long part), each reported as not run and why.
 3. Judged parts (the lessons in JUDGED_LESSONS): pytest runs as the grader, in a tree of the
    bundle's own files that the worker cannot read (hidden tests included), with KVCOURSE_JUDGE set
@@ -22,8 +23,6 @@ results.json:
    with plain data only; every assertion, the HF oracle and the reports stay with the grader. A
    test stopped by its time limit while the student's code ran stops that worker; the tests not
    yet run go on with a new one.
-   The notebooks of judged lessons run the same way: pytest and nbclient in the grader's process,
-   each notebook's cells in a Jupyter kernel that this file starts as the worker (`--kernel`).
 4. Other parts: pytest itself runs in the worker, as the unprivileged user, tests and student code
    in one process (the lessons not in JUDGED_LESSONS).
 5. Every worker runs as the unprivileged user (always, when this runs as root, as on Gradescope:
@@ -50,7 +49,7 @@ only what its own functions return.
 Settings (environment): AUTOGRADER_ROOT (/autograder), AUTOGRADER_SOURCE ($ROOT/source),
 AUTOGRADER_SUBMISSION ($ROOT/submission), AUTOGRADER_RESULTS ($ROOT/results/results.json),
 AUTOGRADER_PYTHON (the python that runs pytest; the worker runs it too where its user can, else
-`worker_python` gives it one), AUTOGRADER_TIME_LIMIT (seconds for all parts
+`python_for` gives it one), AUTOGRADER_TIME_LIMIT (seconds for all parts
 together, default 2280: below Gradescope's longest assignment timeout, 40 minutes, so that what
 finished is written before the platform stops the run), AUTOGRADER_TEST_TIMEOUT (seconds per
 test on an idle machine, default 180), AUTOGRADER_MEMORY_MB (address space per worker process,
@@ -82,6 +81,7 @@ import tokenize
 from pathlib import Path
 
 WORKER_USER = os.environ.get("AUTOGRADER_WORKER_USER", "autograder-student")
+JUDGE_USER = os.environ.get("AUTOGRADER_JUDGE_USER", "autograder-judge")
 LOG_CAP = 20_000  # characters of the worker's output kept at each end
 OUTPUT_CAP = 4_000  # characters of one test's output in results.json, at both ends together
 MAX_OUTCOME_LINES = 100_000  # a worker that floods the pipe is cut off here
@@ -97,9 +97,7 @@ MAX_SLOWDOWN = 8.0
 DEFAULT_TIME_LIMIT_S = 38 * 60
 # Lessons whose graded tests run judged (harness/judge.py): pytest, the tests and the HF oracle in
 # the grader's own process and a tree the worker cannot read; the student's code in a worker
-# process, as the unprivileged user, answering with plain data. A lesson's notebook runs in a kernel
-# started as the worker is (`--worker SETTINGS --kernel CONNECTION_FILE`), driven from the grader's
-# pytest, which decides from the kernel's replies whether every cell ran and a picture was drawn.
+# process, as the unprivileged user, answering with plain data.
 JUDGED_LESSONS = ("l1", "l2", "l3", "l5", "l8", "l10", "l11", "l12", "l13", "l14")
 MAX_JUDGED_ROUNDS = 50  # a judged part restarted after a test its time limit stopped, at most this often
 # Only code that works against the grader needs these in a lesson package.
@@ -213,28 +211,40 @@ def plant_canaries(tests_dir: Path, lesson: str) -> list[str]:
     return nodeids
 
 
-def worker_user() -> tuple[int, int] | None:
-    """(uid, gid) of the unprivileged user the worker runs as, created if needed; None when this
-    process is not root (a local try: the worker runs as the current user). As root, Refused when
-    there is no such user: the student's code never runs as root."""
+def unprivileged_user(name: str, setting: str) -> tuple[int, int] | None:
+    """(uid, gid) of the unprivileged user `name`, created if needed; None when this process is not
+    root (a local try: everything runs as the current user). As root, Refused when there is no such
+    user: neither the student's code nor the judge ever runs as root."""
     if os.geteuid() != 0:
         return None
-    if not WORKER_USER or WORKER_USER == "root":
-        raise Refused("AUTOGRADER_WORKER_USER names no unprivileged user; as root the grader runs students' code "
-                      "only as one (leave it unset for autograder-student)")
+    if not name or name == "root":
+        raise Refused(f"{setting} names no unprivileged user; as root the grader runs the tests only as one "
+                      "(leave it unset for the default)")
     import pwd
 
     try:
-        entry = pwd.getpwnam(WORKER_USER)
+        entry = pwd.getpwnam(name)
     except KeyError:
-        made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", WORKER_USER],
+        made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
                               capture_output=True, text=True)
         if made.returncode != 0:
-            raise Refused(f"cannot create the user {WORKER_USER}: {made.stderr.strip()}") from None
-        entry = pwd.getpwnam(WORKER_USER)
+            raise Refused(f"cannot create the user {name}: {made.stderr.strip()}") from None
+        entry = pwd.getpwnam(name)
     if entry.pw_uid == 0:
-        raise Refused(f"{WORKER_USER} has uid 0; the worker needs an unprivileged user")
+        raise Refused(f"{name} has uid 0; {setting} needs an unprivileged user")
     return entry.pw_uid, entry.pw_gid
+
+
+def worker_user() -> tuple[int, int] | None:
+    """The user the student's code runs as."""
+    return unprivileged_user(WORKER_USER, "AUTOGRADER_WORKER_USER")
+
+
+def judge_user() -> tuple[int, int] | None:
+    """The user the judged tests' pytest (the HF oracle, every assertion) runs as: neither root nor
+    the worker, so that a path the student's code names or plants is never opened with more rights
+    than a user who may read the bundle has."""
+    return unprivileged_user(JUDGE_USER, "AUTOGRADER_JUDGE_USER")
 
 
 def can_run_as(user: tuple[int, int], python: str, code: str = "import pytest, torch") -> bool:
@@ -246,11 +256,11 @@ def can_run_as(user: tuple[int, int], python: str, code: str = "import pytest, t
     return probe.returncode == 0
 
 
-def worker_python(python: str, user, work: Path) -> str:
-    """The python the worker runs: `python` where the worker's user can run it. Otherwise (as root
-    with a python under /root, where pyenv and conda put root's: mode 0700) a venv made in `work`
-    from a system python of the same version that the user can run, which sees `python`'s
-    packages through a .pth file. Refused when the user cannot read those packages either."""
+def python_for(python: str, user, work: Path, name: str) -> str:
+    """The python `user` runs: `python` where that user can run it. Otherwise (as root with a python
+    under /root, where pyenv and conda put root's: mode 0700) a venv made in `work` from a system
+    python of the same version that the user can run, which sees `python`'s packages through a
+    .pth file. Refused when the user cannot read those packages either."""
     if user is None or can_run_as(user, python):
         return python
     facts = json.loads(subprocess.run(
@@ -260,11 +270,11 @@ def worker_python(python: str, user, work: Path) -> str:
     version, site_dirs = facts[0], [d for d in facts[1] if os.path.isdir(d)]
     system = next((p for p in (f"/usr/bin/python{version}", f"/usr/local/bin/python{version}")
                    if can_run_as(user, p, "import venv")), None)
-    why = (f"{WORKER_USER} cannot run {python} (it lies in a folder that user cannot enter, such as /root)")
+    why = f"the user {user[0]} cannot run {python} (it lies in a folder that user cannot enter, such as /root)"
     if system is None:
         raise Refused(f"{why}, and there is no /usr/bin/python{version} it can run in its place; give "
                       "AUTOGRADER_PYTHON a python outside /root (setup.sh's /autograder/venv is one)")
-    env = work / "worker-python"
+    env = work / name
     subprocess.run([system, "-m", "venv", "--without-pip", str(env)], check=True, capture_output=True)
     (site_packages,) = env.glob("lib/python*/site-packages")
     (site_packages / "course_env.pth").write_text("".join(f"{d}\n" for d in site_dirs))
@@ -276,6 +286,72 @@ def worker_python(python: str, user, work: Path) -> str:
                       "the environment where other users can read it (`make setup` makes a self-contained .venv "
                       "unless the system's python has torch already)")
     return str(env / "bin" / "python")
+
+
+# What the student's code may import in the worker: the lessons' own dependencies and theirs, never
+# the oracle (transformers, which holds HF's Qwen3) nor the grader's tools. Each is linked into the
+# worker's own environment from the grader's, whose folder the worker never needs to read.
+WORKER_DISTRIBUTIONS = ("torch", "numpy", "safetensors", "tokenizers", "jinja2", "starlette", "uvicorn",
+                        "prometheus_client")
+NEVER_IN_THE_WORKER = ("transformers",)
+_DISTRIBUTION_FILES = """
+import importlib.metadata as m, json, re, sys
+wanted, never, files, seen = sys.argv[1].split(","), set(sys.argv[2].split(",")), [], set()
+def name(requirement):
+    return re.split(r"[ ;<>=!~\\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+while wanted:
+    dist_name = wanted.pop().lower().replace("_", "-")
+    if dist_name in seen or dist_name in never:
+        continue
+    seen.add(dist_name)
+    try:
+        dist = m.distribution(dist_name)
+    except m.PackageNotFoundError:
+        continue
+    wanted += [name(r) for r in dist.requires or [] if "extra ==" not in r]
+    files += [str(dist.locate_file(f)) for f in dist.files or []]
+print(json.dumps({"version": f"{sys.version_info[0]}.{sys.version_info[1]}", "files": files,
+                  "site": [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]}))
+"""
+
+
+def worker_environment(python: str, user, work: Path) -> str:
+    """The python the student's code runs: a venv of its own in `work`, made from `python`'s
+    interpreter (or, where the worker's user cannot run that, as under /root, a system python of
+    the same version), holding only WORKER_DISTRIBUTIONS and what they require, hard-linked (or
+    copied) from `python`'s environment. So transformers, and with it HF's Qwen3, is nowhere on
+    the worker's path: the worker cannot compute the oracle's answers, whatever it imports."""
+    facts = json.loads(subprocess.run(
+        [python, "-I", "-c", _DISTRIBUTION_FILES, ",".join(WORKER_DISTRIBUTIONS), ",".join(NEVER_IN_THE_WORKER)],
+        capture_output=True, text=True, check=True).stdout)
+    base = subprocess.run([python, "-I", "-c", "import sys; print(getattr(sys, '_base_executable', sys.executable))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    candidates = [base, f"/usr/bin/python{facts['version']}", f"/usr/local/bin/python{facts['version']}"]
+    interpreter = next((c for c in candidates if user is None or can_run_as(user, c, "import venv")), None)
+    if interpreter is None:
+        raise Refused(f"the worker's user cannot run {base} (under a folder it cannot enter, such as /root) and "
+                      f"there is no /usr/bin/python{facts['version']} in its place; give AUTOGRADER_PYTHON a python "
+                      "outside /root (setup.sh's /autograder/venv is one)")
+    env = work / "worker-python"
+    subprocess.run([interpreter, "-m", "venv", "--without-pip", str(env)], check=True, capture_output=True)
+    (site_packages,) = env.glob("lib/python*/site-packages")
+    for name in facts["files"]:
+        source = Path(name)
+        home = next((Path(s) for s in facts["site"] if source.is_relative_to(s)), None)
+        if home is None or not source.is_file():  # a script in bin/, say: not needed to import
+            continue
+        target = site_packages / source.relative_to(home)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, target)
+        except OSError:  # another file system
+            shutil.copy2(source, target)
+    for here, _, files in os.walk(env):
+        os.chmod(here, 0o755)
+    worker_python = str(env / "bin" / "python")
+    if user is not None and not can_run_as(user, worker_python, "import torch, safetensors"):
+        raise Refused(f"the worker's user cannot import torch from its environment ({env})")
+    return worker_python
 
 
 class CappedLog:
@@ -355,17 +431,24 @@ def kill_everything_of(uid: int) -> None:
         time.sleep(0.05)
 
 
-def run_worker(cmd: list[str], cwd: Path, env: dict, user, time_limit: float, memory_mb: int, worker_uid=None):
+def start_as(cmd: list[str], cwd: Path, env: dict, user, memory_mb: int, pass_fds: tuple = ()) -> subprocess.Popen:
+    """`cmd` as `user` (this process's user when None), in a session of its own, under the
+    worker's limits, its output (stdout and stderr) on one pipe."""
+    ids = dict(user=user[0], group=user[1], extra_groups=[]) if user else {}
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
+                            pass_fds=pass_fds, preexec_fn=limit_worker(memory_mb, user is not None), **ids)
+
+
+def run_worker(cmd: list[str], cwd: Path, env: dict, user, time_limit: float, memory_mb: int, worker_uid=None,
+               pass_fds: tuple = ()):
     """Run pytest (as `user`, or as this process's user when None); return (its capped output, its
     outcome lines, its exit status or None when stopped by the time limit). Whatever it started is
     killed when it ends, every process of `worker_uid` too (a judged run's worker)."""
     read_end, write_end = os.pipe()
     cmd = [*cmd, "--outcomes-log", f"/dev/fd/{write_end}"]
-    ids = dict(user=user[0], group=user[1], extra_groups=[]) if user else {}
     try:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
-                                pass_fds=(write_end,), preexec_fn=limit_worker(memory_mb, user is not None), **ids)
+        proc = start_as(cmd, cwd, env, user, memory_mb, (write_end, *pass_fds))
     finally:
         os.close(write_end)
     log, outcomes = CappedLog(proc.stdout), OutcomeLines(read_end)
@@ -448,21 +531,19 @@ class Part:
 
 
 def split_parts(manifest: dict, select: list[str]) -> list[Part]:
-    """Notebooks, hidden test files, visible tests: the files of each, in the order they run."""
+    """Hidden test files, then visible tests: the files of each, in the order they run."""
     tests = {n: t for n, t in manifest["tests"].items() if not select or n.startswith(tuple(select))}
     files: dict[str, list[dict]] = {}
     for nodeid, test in tests.items():
         files.setdefault(nodeid.split("::")[0], []).append(test)
     hidden_files = set(manifest.get("hidden_files", []))
     # Short parts first: a run cut off by the time limit loses the tail of the long part, never
-    # the notebooks or the hidden tests wholesale.
+    # the hidden tests wholesale.
     parts = {name: Part(name, [], judged=name.startswith("judged"))
-             for name in ("judged notebooks", "notebooks", "judged hidden tests", "hidden tests", "judged tests",
-                          "tests")}
+             for name in ("judged hidden tests", "hidden tests", "judged tests", "tests")}
     for file, its_tests in sorted(files.items()):
         judged = all(t["lesson"] in JUDGED_LESSONS for t in its_tests)
-        name = ("hidden tests" if file in hidden_files
-                else "notebooks" if all(t.get("notebook") for t in its_tests) else "tests")
+        name = "hidden tests" if file in hidden_files else "tests"
         parts[f"judged {name}" if judged else name].files.append(file)
     return [part for part in parts.values() if part.files]
 
@@ -476,9 +557,11 @@ def grade(manifest: dict, select: list[str], parts: list[Part]) -> list[dict]:
             continue
         phases = part.outcomes.get(nodeid, {})
         result = status_of(phases)
-        if result == "skipped":
-            continue  # e.g. a gpu test on a machine without one: earns and costs nothing
-        output = phases.get("output", "") if result != "missing" else part.why_not_run(nodeid)
+        # Every test in the manifest was collected to run here (no gpu test carries points): one
+        # that comes back skipped was skipped by something its run did, which the worker can forge
+        # (an exception named as pytest's Skipped): it earns nothing.
+        output = (phases.get("output", "") if result == "failed" else part.why_not_run(nodeid) if result == "missing"
+                  else "Skipped, which a graded test never is on the grader: it earns no points.")
         rows.append({"name": nodeid, "score": test["points"] if result == "passed" else 0.0,
                      "max_score": test["points"], "status": "passed" if result == "passed" else "failed",
                      "output": output, "visibility": "after_published" if test["hidden"] else "visible",
@@ -516,6 +599,22 @@ def calibrate() -> float:
     return min(MAX_SLOWDOWN, max(1.0, statistics.median(timings) / CALIBRATION_REFERENCE_S))
 
 
+# In a judged run the worker imports the lesson packages, the harness's helpers and the tests' probes
+# (and reads the models in assets/); the tests, the oracles and the instructor's files are the judge's.
+NOT_FOR_THE_WORKER = ("harness/hf_reference.py", "harness/quantized_cache.py", "harness/grading.py",
+                      "tests/conftest.py", "tests/helpers.py", "tests/test_*.py", "lessons", "notebooks",
+                      "instructor", "docs")
+
+
+def keep_only_what_the_worker_runs(copy: Path) -> None:
+    for pattern in NOT_FOR_THE_WORKER:
+        for path in copy.glob(pattern):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
 def make_read_only(tree: Path) -> None:
     """The scratch copy belongs to the grader: readable by the worker, not writable by it."""
     for here, _, files in os.walk(tree):
@@ -524,9 +623,9 @@ def make_read_only(tree: Path) -> None:
             os.chmod(Path(here, name), 0o644)
 
 
-def worker_home(work: Path, part: Part, user) -> Path:
-    """A fresh folder the worker may write in (HOME, TMPDIR, pytest's temporary folders)."""
-    home = work / f"home-{part.name.replace(' ', '-')}"
+def worker_home(work: Path, part: Part, user, prefix: str = "home") -> Path:
+    """A fresh folder `user` may write in (HOME, TMPDIR, pytest's temporary folders)."""
+    home = work / f"{prefix}-{part.name.replace(' ', '-')}"
     home.mkdir(mode=0o700)
     if user is not None:
         os.chown(home, *user)
@@ -544,7 +643,7 @@ def environment(home: Path, tree: Path) -> dict:
     """A test run's environment: this one's, less the grader's settings, writing only in `home`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGRADER_") and k != "KVCOURSE_JUDGE"}
     env.update(HOME=str(home), TMPDIR=str(home), PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1",
-               PYTHONNOUSERSITE="1", XDG_CACHE_HOME=str(home / ".cache"), JUPYTER_RUNTIME_DIR=str(home / "jupyter"))
+               PYTHONNOUSERSITE="1", XDG_CACHE_HOME=str(home / ".cache"))
     return env
 
 
@@ -566,21 +665,50 @@ def run_part(part: Part, copy: Path, work: Path, manifest: dict, python: str, us
         (copy / canary.split("::")[0]).unlink(missing_ok=True)
 
 
+def start_judged_worker(settings: dict) -> tuple[subprocess.Popen, CappedLog, int, int]:
+    """The worker of one judged pytest run: `python -m harness.judge` as the worker's user, in the
+    student's tree, serving requests on two pipes. Returns it, its output, and the judge's ends of
+    the pipes (read, write), which the judge's pytest inherits."""
+    to_worker_r, to_worker_w = os.pipe()
+    from_worker_r, from_worker_w = os.pipe()
+    try:
+        worker = start_as([settings["python"], "-m", "harness.judge", str(to_worker_r), str(from_worker_w)],
+                          Path(settings["tree"]), settings["env"], settings["user"], settings["memory_mb"],
+                          (to_worker_r, from_worker_w))
+    finally:
+        os.close(to_worker_r)
+        os.close(from_worker_w)
+    return worker, CappedLog(worker.stdout), from_worker_r, to_worker_w
+
+
+def stop_judged_worker(worker: subprocess.Popen, fds: tuple[int, int], user) -> None:
+    for fd in fds:
+        os.close(fd)
+    try:  # its whole session; as root, every process of its user too (run_worker's worker_uid)
+        os.killpg(worker.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if user is not None:
+        kill_everything_of(user[0])
+    worker.wait()
+
+
 def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manifest: dict, python: str,
-                    worker_py: str, user, time_limit: float, test_timeout: float, memory_mb: int) -> None:
-    """pytest as the judge (harness/judge.py): in `judge_tree`, as this process's user, the
-    student's code in a worker that this file starts (`--worker`) as `user` in `copy`. A test
-    stopped by its time limit while the student's code ran stops the worker and that pytest; the
-    tests not yet run go on in a new one, so a loop costs the tests that meet it."""
+                    worker_py: str, user, judge, time_limit: float, test_timeout: float, memory_mb: int) -> None:
+    """pytest as the judge (harness/judge.py): in `judge_tree`, as the `judge` user, the student's
+    code in a worker this file starts for each pytest run as `user` in `copy`, on two pipes the
+    judge inherits. A test stopped by its time limit while the student's code ran stops that pytest
+    (and this file stops the worker); the tests not yet run go on in a new pair, so a loop costs the
+    tests that meet it. Neither side runs as root."""
     part.canaries = plant_canaries(judge_tree / "tests", manifest["lessons"][0])
+    for canary in part.canaries:
+        own_file(judge_tree / canary.split("::")[0], judge, 0o600)
     home = worker_home(work, part, user)
-    judge_home = work / f"judge-home-{part.name.replace(' ', '-')}"
-    judge_home.mkdir()
+    judge_home = worker_home(work, part, judge, prefix="judge-home")
     judge_home.chmod(0o711)  # the worker reads what tests make for it here (models), by path only
-    settings = {"python": worker_py, "tree": str(copy), "user": list(user) if user else None,
-                "memory_mb": memory_mb, "env": environment(home, copy)}
-    env = environment(judge_home, judge_tree)
-    env["KVCOURSE_JUDGE"] = json.dumps([python, "-I", str(Path(__file__).resolve()), "--worker", json.dumps(settings)])
+    settings = {"python": worker_py, "tree": str(copy), "user": user, "memory_mb": memory_mb,
+                "env": environment(home, copy)}
+    env = {**environment(judge_home, judge_tree), "KVCOURSE_STUDENT_TREE": str(copy)}
     nodeids = [part.canaries[0], *(n for n in manifest["tests"] if n.split("::")[0] in part.files), part.canaries[1]]
     targets = [part.canaries[0].split("::")[0], *part.files, part.canaries[1].split("::")[0]]
     start, logs = time.monotonic(), []
@@ -591,10 +719,15 @@ def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manife
             part.status = None
             break
         ran_before = len(part.outcomes)
-        log, lines, part.status = run_worker(
-            pytest_command(python, test_timeout, judge_home / f"pytest-{round_}", manifest, targets), judge_tree,
-            env, None, left, memory_mb, worker_uid=user[0] if user else None)
-        logs.append(log)
+        worker, worker_log, *fds = start_judged_worker(settings)
+        env["KVCOURSE_JUDGE"] = json.dumps({"fds": fds, "pid": worker.pid})
+        try:
+            log, lines, part.status = run_worker(
+                pytest_command(python, test_timeout, judge_home / f"pytest-{round_}", manifest, targets), judge_tree,
+                env, judge, left, memory_mb, pass_fds=tuple(fds))
+        finally:
+            stop_judged_worker(worker, tuple(fds), user)
+        logs.append(log + (f"\n[the worker's output]\n{worker_log.text()}" if worker_log.text().strip() else ""))
         outcomes, errors = read_outcomes(lines)
         for nodeid, phases in outcomes.items():  # the first report of a phase counts, as in one run
             for phase, outcome in phases.items():
@@ -612,40 +745,21 @@ def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manife
         (judge_tree / canary.split("::")[0]).unlink(missing_ok=True)
 
 
-def launch_worker(settings: dict, fds: list[str]) -> None:
-    """`grade.py --worker SETTINGS READ_FD WRITE_FD`, the judge's command for its worker: as root,
-    become the unprivileged user in a session of its own, under the worker's limits, then serve
-    the judge's requests over the two pipes (python -m harness.judge) from the student's tree.
-    `--worker SETTINGS --kernel CONNECTION_FILE`: the same, then a notebook's Jupyter kernel."""
-    user = settings.get("user")
-    # a notebook's kernel (tests/test_notebooks.py under the judge): its connection file copied first
-    kernel_file = worker_kernel_file(fds[1], settings["env"]["HOME"], user) if fds[:1] == ["--kernel"] else None
-    if user is not None and os.getsid(0) != os.getpid():  # (a kernel's launcher made it one already)
-        os.setsid()  # its own session, all of it killed after the part
-    limit_worker(int(settings["memory_mb"]), user is not None)()
+def own_file(path: Path, user, mode: int) -> None:
+    """`path` (made by this process, never by the worker) given to `user`, with `mode`."""
     if user is not None:
-        os.setgroups([])
-        os.setgid(int(user[1]))
-        os.setuid(int(user[0]))
-        if os.getuid() == 0 or os.geteuid() == 0:
-            raise SystemExit("the worker could not leave root; nothing of the student's runs")
-    os.chdir(settings["tree"])
-    python = settings["python"]
-    if kernel_file is not None:
-        os.execve(python, [python, "-m", "ipykernel_launcher", "-f", kernel_file], settings["env"])
-    os.execve(python, [python, "-m", "harness.judge", *fds], settings["env"])
+        os.chown(path, *user, follow_symlinks=False)
+    os.chmod(path, mode)
 
 
-def worker_kernel_file(connection_file: str, home: str, user) -> str:
-    """A copy, in the worker's home and its user's, of the connection file the judge's Jupyter wrote
-    in the grader's runtime folder (which the worker cannot read): ports and the key the kernel
-    signs its messages with, which the student's code in it knows anyway."""
-    copy = Path(home) / f"kernel-{os.getpid()}.json"
-    copy.write_text(Path(connection_file).read_text())
-    if user is not None:
-        os.chown(copy, int(user[0]), int(user[1]))
-    copy.chmod(0o600)
-    return str(copy)
+def own_tree(tree: Path, user) -> None:
+    """The judge's tree given to the judge's user (a tree this process just copied from the bundle)."""
+    if user is None:
+        return
+    for here, folders, files in os.walk(tree):
+        os.chown(here, *user, follow_symlinks=False)
+        for name in [*folders, *files]:
+            os.chown(Path(here, name), *user, follow_symlinks=False)
 
 
 def main() -> int:
@@ -662,8 +776,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="autograder-"))
     os.chmod(work, 0o711)  # the worker enters it (its python, its home, the copy), never lists or writes it
     try:
-        user = worker_user()
-        worker_py = worker_python(python, user, work)
+        user, judge = worker_user(), judge_user()
+        worker_py = worker_environment(python, user, work)
+        judge_py = python_for(python, judge, work, "judge-python")
     except Refused as exc:
         print(f"FLAG for the instructor: nothing was graded: {exc}")
         write_results(results, [], "The grader could not run your code safely (a set-up problem, not your code); "
@@ -687,6 +802,9 @@ def main() -> int:
     for package, folder in found.items():
         shutil.rmtree(copy / package)
         skipped += copy_package(folder, copy / package)
+    parts = split_parts(manifest, select)
+    if all(part.judged for part in parts):
+        keep_only_what_the_worker_runs(copy)
     make_read_only(copy)
     # The judged parts' pytest runs here: the bundle's own files (no upload). The worker may read
     # its files by path (the model in assets/ that a test names), never list its top folder, and
@@ -697,6 +815,7 @@ def main() -> int:
     for file in hidden_files:
         (judge_tree / file).unlink(missing_ok=True)
     make_read_only(judge_tree)
+    own_tree(judge_tree, judge)  # the judge's pytest runs as its own user, never as root
     os.chmod(judge_tree, 0o711)
     notes = [f"graded: {p} (from {found[p].relative_to(submission)})" for p in found]
     notes += [f"not found in the submission: {p} (the handout's stub is graded in its place)" for p in missing]
@@ -710,7 +829,6 @@ def main() -> int:
     print(f"calibration: this machine runs {slowdown:.2f}x slower than the idle reference; "
           f"each test may take {test_timeout:.0f} s")
 
-    parts = split_parts(manifest, select)
     deadline = time.monotonic() + time_limit
     source_mode = source.stat().st_mode & 0o777
     os.chmod(source, 0o700)  # the bundle itself (manifest, hidden tests) out of the worker's reach
@@ -720,10 +838,13 @@ def main() -> int:
             if hidden:  # in the judge's tree (closed to the worker) when judged, else the worker's
                 for file in part.files:
                     shutil.copy(hidden_store / Path(file).name, (judge_tree if part.judged else copy) / file)
-                    os.chmod((judge_tree if part.judged else copy) / file, 0o600 if part.judged else 0o644)
+                    if part.judged:
+                        own_file(judge_tree / file, judge, 0o600)
+                    else:
+                        os.chmod(copy / file, 0o644)
             remaining = max(1.0, deadline - time.monotonic())
             if part.judged:
-                run_judged_part(part, judge_tree, copy, work, manifest, python, worker_py, user, remaining,
+                run_judged_part(part, judge_tree, copy, work, manifest, judge_py, worker_py, user, judge, remaining,
                                 test_timeout, memory_mb)
             else:
                 run_part(part, copy, work, manifest, worker_py, user, remaining, test_timeout, memory_mb)
@@ -778,8 +899,6 @@ def write_internal_error(results: Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:  # started by the judge, not by run_autograder
-        launch_worker(json.loads(sys.argv[2]), sys.argv[3:])
     try:
         sys.exit(main())
     except Exception:
