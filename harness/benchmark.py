@@ -168,16 +168,24 @@ def print_table(rows: list[dict], columns: list[str] | None = None, floatfmt: st
         print(line(row))
 
 
-def bench_parser(description: str, repeat: int = 3) -> argparse.ArgumentParser:
-    """The options every lesson benchmark shares; each script adds its workload's own."""
+def bench_parser(description: str, repeat: int | None = 3, cpu_only: bool = False) -> argparse.ArgumentParser:
+    """The options every lesson benchmark shares; each script adds its workload's own. A bench
+    that times nothing repeatedly passes repeat=None (no --repeat); one whose tables are CPU
+    figures by design passes cpu_only=True: --device takes cpu only and there is no --dtype, so
+    neither is accepted and then ignored."""
     from harness.smoke import DEFAULT_MODEL, DTYPES
 
     p = OneLineParser(description=description)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--repeat", type=int, default=repeat, help=f"timed runs per measurement, best kept (default {repeat})")
+    if cpu_only:
+        p.add_argument("--device", choices=["cpu"], default="cpu", help="cpu only: this benchmark's tables are CPU figures")
+    else:
+        p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+        p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                       help="default: float32 on cpu, bfloat16 on cuda")
+    if repeat is not None:
+        p.add_argument("--repeat", type=int, default=repeat,
+                       help=f"timed runs per measurement, best kept (default {repeat}, at most {MAX_REPEAT})")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results to PATH")
     return p
 
@@ -347,10 +355,22 @@ COUNT_OPTIONS = ["repeat", "requests", "k", "batch", "max_new_tokens", "threads"
                  "tail_len", "prefix_len", "layers_06b", "layers"]
 
 
+# More timed runs than this is a typo, not a measurement (a billion would never end).
+MAX_REPEAT = 1000
+
+
 def check_bench_args(args: argparse.Namespace, parser: argparse.ArgumentParser, max_layers: int = 28) -> argparse.Namespace:
-    """The door of every bench, before any work: counts >= 1, 0.6B layers within the model's 28,
-    output paths writable regular files (`checked_output_path`). One line and exit 2 otherwise."""
+    """The door of every bench, before any work: counts >= 1, repeats at most MAX_REPEAT, threads
+    at most this machine's cores, 0.6B layers within the model's 28, output paths writable regular
+    files (`checked_output_path`). One line and exit 2 otherwise."""
     positive_ints(args, COUNT_OPTIONS, parser.error)
+    for name in ("repeat", "repeat_06b"):
+        if (getattr(args, name, None) or 0) > MAX_REPEAT:
+            parser.error(f"--{name.replace('_', '-').replace('06b', '0.6b')} must be at most {MAX_REPEAT} timed "
+                         f"runs, got {getattr(args, name)}")
+    cores = os.cpu_count() or 1
+    if (getattr(args, "threads", None) or 0) > cores:  # more threads than cores only slows a run down
+        parser.error(f"--threads must be at most {cores} (this machine's cores), got {args.threads}")
     for name in ("layers_06b", "layers"):
         if getattr(args, name, None) is not None and getattr(args, name) > max_layers:
             parser.error(f"--{name.replace('_', '-').replace('06b', '0.6b')} must be at most {max_layers} "
@@ -359,6 +379,36 @@ def check_bench_args(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         if getattr(args, name, None):
             checked_output_path(getattr(args, name), f"--{name}")
     return args
+
+
+def checked_model(args: argparse.Namespace):
+    """--model at the door: (its folder, its config), or one line and exit 2 when it is no model
+    folder (before minutes of work, not after them as a traceback). --block-size, where the bench
+    has it, is at most the model's positions: one block longer than any sequence is no pool."""
+    from harness.smoke import resolve_model_dir
+    from l1_contiguous import InputError, load_config
+
+    try:
+        model_dir = resolve_model_dir(args.model)
+        cfg = load_config(model_dir)
+    except InputError as exc:
+        _refuse(str(exc))
+    block_size = getattr(args, "block_size", None)
+    if block_size is not None and block_size > cfg.max_position_embeddings:
+        _refuse(f"--block-size must be at most the model's {cfg.max_position_embeddings} positions, got {block_size}")
+    return model_dir, cfg
+
+
+def checked_device(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    """--device and --dtype at the door: resolved (harness.smoke.resolve_device), or one line and
+    exit 2 (--device cuda without a GPU is refused, never run on the CPU instead)."""
+    from harness.smoke import resolve_device
+    from l1_contiguous import InputError
+
+    try:
+        return resolve_device(args.device, getattr(args, "dtype", None))
+    except InputError as exc:
+        _refuse(str(exc))
 
 
 def checked_output_path(path: str, option: str) -> None:

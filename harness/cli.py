@@ -112,8 +112,9 @@ ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, err
 
 def run_main(main: Callable[[], int | None], what: str = "nothing was written") -> int:
     """Run a script's `main` under the exit-code contract: its status; on Ctrl-C (or SIGTERM) one
-    line and 2; a full disk or a permission problem one line and 2; a closed stdout quietly;
-    any other exception its traceback and 3 (a bug)."""
+    line and 2; bad input (an InputError, wherever the work raised it) one line and 2; a full disk
+    or a permission problem one line and 2; a closed stdout quietly; any other exception its
+    traceback and 3 (a bug)."""
     sane_streams()
     watch_interrupts()
     try:
@@ -133,7 +134,17 @@ def run_main(main: Callable[[], int | None], what: str = "nothing was written") 
         say_error(f"{exc.strerror}{where}; free some space or fix the permissions, then run again")
         return 2
     except Exception as exc:
+        if _is_input_error(exc) and not _interrupt_received:  # after a Ctrl-C, any error is the Ctrl-C
+            say_error(str(exc))
+            return 2
         return _internal_error(exc, what)
+
+
+def _is_input_error(exc: BaseException) -> bool:
+    """Is `exc` the lessons' InputError (bad input, its message says what to fix)? Looked up, not
+    imported: this module stays light, and an InputError can only come from a loaded module."""
+    errors = sys.modules.get("l1_contiguous.errors")
+    return errors is not None and isinstance(exc, errors.InputError)
 
 
 def _internal_error(exc: BaseException, what: str) -> int:

@@ -15,7 +15,8 @@ each pool's bytes per block allow; the engine runs the workload on each: blocks,
 running at once, preemptions (by recompute), wall time and tokens/s, and the bytes decode
 attention reads from the pool over the whole run (sum over generated tokens of the positions read
 times the pool's bytes per position). A bf16 pool runs the model in bf16 (L5 keeps the pool in
-the model's dtype); fp8 and int8 pools run it in float32.
+the model's dtype); fp8 and int8 pools run it in float32. Everything runs on the CPU: the tables are
+CPU figures (--device takes cpu only; there is no --dtype, the rows are the dtypes).
 
     python scripts/bench_l12.py                                  # both tables, printed
     python scripts/bench_l12.py --markdown docs/benchmarks.md    # rewrite its section there
@@ -38,10 +39,10 @@ import torch  # noqa: E402
 
 import bench_l5  # noqa: E402
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (bench_command, bench_parser, check_bench_args, load_average, machine_line,  # noqa: E402
-                               markdown_table, print_table, replace_section, write_text_atomic)
+from harness.benchmark import (bench_command, bench_parser, check_bench_args, checked_model, load_average,  # noqa: E402
+                               machine_line, markdown_table, print_table, replace_section, write_text_atomic)
 from harness.quantized_cache import QuantizingCache  # noqa: E402
-from harness.smoke import DEFAULT_MODEL, encode, load_tokenizer, resolve_model_dir  # noqa: E402
+from harness.smoke import encode, load_tokenizer  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
 from l5_eviction import make_engine  # noqa: E402
 from l12_quantized_kv import FORMATS  # noqa: E402
@@ -57,15 +58,19 @@ CAPACITY_COLUMNS = ["pool", "model", "bytes / block", "blocks", "most running", 
 
 
 def parse_args(argv=None):
-    p = bench_parser(__doc__.split("\n\n")[0], repeat=1)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    """The options, checked at the door. No --repeat (each setting runs once) and no --dtype (the
+    tables' rows are the dtypes); the tables are CPU figures, so --device is cpu only."""
+    p = bench_parser(__doc__.split("\n\n")[0], repeat=None, cpu_only=True)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16; at most the model's positions)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice; at most this machine's cores)")
     p.add_argument("--budget-fraction", type=float, default=0.25,
-                   help="memory budget as a fraction of the workload's float32 demand (default 0.25)")
+                   help="memory budget as a fraction of the workload's float32 demand, in (0, 1] (default 0.25)")
     p.add_argument("--markdown", metavar="PATH", default=None, help="rewrite the `bench_l12` section of PATH")
     args = check_bench_args(p.parse_args(argv), p)
     if not 0 < args.budget_fraction <= 1:
         p.error(f"--budget-fraction must be in (0, 1], got {args.budget_fraction}")
+    args.model_dir, _ = checked_model(args)
     return args
 
 
@@ -145,7 +150,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     load_at_start = load_average()
-    model_dir = resolve_model_dir(args.model or str(DEFAULT_MODEL))
+    model_dir = args.model_dir
     accuracy = accuracy_rows(model_dir, args.block_size)
     print_table(accuracy, ACCURACY_COLUMNS)
     capacity = capacity_rows(model_dir, args.block_size, args.budget_fraction)

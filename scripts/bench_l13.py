@@ -45,9 +45,9 @@ guard_startup()
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (bench_command, bench_parser, check_bench_args, load_average, machine_line,  # noqa: E402
-                               markdown_table, print_table, replace_section, write_text_atomic)
-from harness.smoke import DEFAULT_MODEL, resolve_device, resolve_model_dir  # noqa: E402
+from harness.benchmark import (bench_command, bench_parser, check_bench_args, checked_device, checked_model,  # noqa: E402
+                               load_average, machine_line, markdown_table, print_table, replace_section,
+                               write_text_atomic)
 from harness.tiny_models import EMBEDDED_HYBRID_LAYER_TYPES, EMBEDDED_HYBRID_WINDOW, as_hybrid, make_random_model  # noqa: E402
 from l1_contiguous import Qwen3Config, load_config  # noqa: E402
 from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, load_engine_model  # noqa: E402
@@ -67,12 +67,21 @@ HIT_COLUMNS = ["hit rule", "blocks behind the window", "prompt tokens", "found c
 
 
 def parse_args(argv=None):
-    p = bench_parser(__doc__.split("\n\n")[0], repeat=1)
-    p.add_argument("--block-size", type=int, default=16)
+    """The options, checked at the door. No --repeat (nothing is timed); --device and --dtype choose
+    where --shape-0.6b runs (the other tables are CPU float32 figures)."""
+    p = bench_parser(__doc__.split("\n\n")[0], repeat=None)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16; at most the model's positions)")
     p.add_argument("--markdown", metavar="PATH", default=None, help="rewrite the `bench_l13` section of PATH")
     p.add_argument("--shape-0.6b", dest="shape_06b", action="store_true",
-                   help="only the run on a random model of Qwen3-0.6B's shape (meant for a GPU)")
-    return check_bench_args(p.parse_args(argv), p)
+                   help="only the run on a random model of Qwen3-0.6B's shape (meant for a GPU; --device and "
+                        "--dtype apply to it)")
+    args = check_bench_args(p.parse_args(argv), p)
+    if not args.shape_06b and (args.device not in (None, "cpu") or args.dtype not in (None, "float32")):
+        p.error("--device and --dtype choose where --shape-0.6b runs; the other tables are CPU float32 figures: "
+                "add --shape-0.6b or drop them")
+    args.model_dir, _ = checked_model(args)
+    args.run_on = checked_device(args) if args.shape_06b else ("cpu", torch.float32)
+    return args
 
 
 def arithmetic_rows(block_size: int) -> list[dict]:
@@ -182,7 +191,7 @@ def hit_rows(hybrid_dir: Path, block_size: int) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.shape_06b:
-        device, dtype = resolve_device(args.device, args.dtype)
+        device, dtype = args.run_on
         with tempfile.TemporaryDirectory(prefix="l13-bench-0.6b-") as tmp:
             rows = shape_06b_rows(args.block_size, device, dtype, Path(tmp))
         print(f"Qwen3-0.6B's shape, random weights, {device} {dtype}, block size {args.block_size}, "
@@ -193,7 +202,7 @@ def main(argv=None) -> int:
             write_text_atomic(args.json, json.dumps({"shape_0.6b": rows}, indent=2))
         return 0 if all(r["ids = HF"].split("/")[0] == r["ids = HF"].split("/")[1] for r in rows) else 1
     load_at_start = load_average()
-    full_dir = resolve_model_dir(args.model or str(DEFAULT_MODEL))
+    full_dir = args.model_dir
     with tempfile.TemporaryDirectory(prefix="l13-bench-") as tmp:
         hybrid_dir = as_hybrid(full_dir, Path(tmp), EMBEDDED_HYBRID_WINDOW, EMBEDDED_HYBRID_LAYER_TYPES)
         arithmetic = arithmetic_rows(args.block_size)

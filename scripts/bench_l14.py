@@ -20,6 +20,9 @@ decoded on rank 1, against one process running L5's mixed steps (prefill chunks 
 decode tokens per second, inter-token latency (mean and p99 over every generated token: the length
 of the step it came out of), bytes and time per block sent; ids compared with HF's.
 
+Everything runs on the CPU in float32: the tables are CPU figures (--device takes cpu only; there
+is no --dtype).
+
     python scripts/bench_l14.py                                  # the tables, printed
     python scripts/bench_l14.py --markdown docs/benchmarks.md    # rewrite its section there
 """
@@ -47,9 +50,8 @@ guard_startup()
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import (bench_command, bench_parser, check_bench_args, load_average, machine_line,  # noqa: E402
-                               markdown_table, print_table, replace_section, write_text_atomic)
-from harness.smoke import resolve_model_dir  # noqa: E402
+from harness.benchmark import (bench_command, bench_parser, check_bench_args, checked_model, load_average,  # noqa: E402
+                               machine_line, markdown_table, print_table, replace_section, write_text_atomic)
 from harness.tiny_models import make_random_model  # noqa: E402
 from l1_contiguous import load_config  # noqa: E402
 from l2_paged import bytes_per_block  # noqa: E402
@@ -72,11 +74,15 @@ PD_COLUMNS = ["layout", "decode tok/s", "ITL mean ms", "ITL p99 ms", "decode ste
 
 
 def parse_args(argv=None):
-    p = bench_parser(__doc__.split("\n\n")[0], repeat=3)
+    """The options, checked at the door. The tables are CPU float32 figures (one thread against two
+    ranks of one thread each), so --device is cpu only and there is no --dtype."""
+    p = bench_parser(__doc__.split("\n\n")[0], repeat=3, cpu_only=True)
     p.add_argument("--markdown", metavar="PATH", default=None, help="rewrite the `bench_l14` section of PATH")
     # internal: the two-process run starts this script under torchrun; each rank writes its figures there
     p.add_argument("--pd-rank", metavar="JSON", default=None, help=argparse.SUPPRESS)
-    return check_bench_args(p.parse_args(argv), p)
+    args = check_bench_args(p.parse_args(argv), p)
+    args.model_dir, _ = checked_model(args)
+    return args
 
 
 def rand(n: int, vocab: int, rng: random.Random) -> list[int]:
@@ -294,7 +300,7 @@ def _p99(values: list[float]) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model_dir = resolve_model_dir(args.model)
+    model_dir = args.model_dir
     if args.pd_rank:
         return pd_rank(model_dir, args.pd_rank)
     torch.set_num_threads(1)  # as each of the two ranks runs: the comparison is one core against one core each

@@ -527,6 +527,17 @@ BENCH_BAD = [
     ("bench_l1", ["--max-new-tokens", "1"]), ("bench_serve", ["--rounds", "0"]), ("bench_head", ["--repeat", "0"]),
     ("bench_l2", ["--requests", "0"]), ("bench_l3_kernel", ["--peak-gbps", "-1"]), ("bench_bf16", ["--layers", "0"]),
     ("make_autograder", ["/no/such/folder/a.zip"]), ("make_autograder", ["/dev/full"]),
+    # L12-L14: a model folder that is not there, a GPU that is not there (or a device the bench
+    # would ignore), counts out of bounds. Each was a traceback and 3, or a run that went on regardless.
+    *[(bench, ["--model", "/nope"]) for bench in ("bench_l12", "bench_l13", "bench_l14")],
+    *[(bench, ["--device", "cuda"]) for bench in ("bench_l12", "bench_l13", "bench_l14")],
+    ("bench_l13", ["--shape-0.6b", "--device", "cuda" if not torch.cuda.is_available() else "tpu"]),
+    ("bench_l13", ["--dtype", "bfloat16"]), ("bench_l14", ["--dtype", "bfloat16"]),
+    ("bench_l12", ["--repeat", "1000000000"]), ("bench_l14", ["--repeat", "1000000000"]),
+    ("bench_l14", ["--repeat", "0"]), ("bench_l12", ["--threads", "100000"]), ("bench_l12", ["--threads", "0"]),
+    ("bench_l12", ["--block-size", "100000000"]), ("bench_l13", ["--block-size", "100000000"]),
+    ("bench_l13", ["--block-size", "0"]), ("bench_l12", ["--budget-fraction", "nan"]),
+    ("bench_l12", ["--budget-fraction", "0"]),
 ]
 
 
@@ -543,6 +554,19 @@ def test_benches_refuse_bad_options_at_the_door(script, argv, capsys):
     assert refused.value.code == 2, err[-2000:]
     assert err.count("\n") == 1 and err.startswith("error: "), err
     assert time.monotonic() - started < 30
+
+
+def test_an_input_error_raised_during_the_work_is_one_line_and_exit_2():
+    """What the door cannot see (a folder whose config breaks an hour in, a tier that refuses a
+    write) raises InputError deep in the work: run_main, every bench's entry, says it in one line
+    and exits 2, as run_smoke does, not a traceback and 3. After a Ctrl-C it is still the Ctrl-C."""
+    code = ("import sys\nsys.path.insert(0, %r)\nfrom harness.cli import run_main\n"
+            "from l1_contiguous.errors import ModelLoadError\n"
+            "def main():\n    raise ModelLoadError('/m/config.json lacks hidden_size; fix or re-download it')\n"
+            "sys.exit(run_main(main))\n" % str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert done.stderr == "error: /m/config.json lacks hidden_size; fix or re-download it\n"
 
 
 def test_a_section_rewrite_never_leaves_a_cut_file(tmp_path, monkeypatch):
