@@ -124,6 +124,12 @@ def _check_architecture(raw: dict) -> None:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# A window of 1 (each position reads only itself) has no reference to compare with: transformers'
+# sliding cache keeps the last `sliding_window - 1` keys as `[-sliding_window + 1:]`, which for 1
+# is `[0:]`, every key, so HF's model attends to all positions. Refused rather than failed.
+MIN_WINDOW = 2
+WINDOW_1_WHY = ("transformers' cache keeps every key for a window of 1 (it slices [-sliding_window + 1:], which "
+                "is [0:] for 1), so HF's reference would not slide at all")
 
 
 def _sliding_layers(raw: dict, num_layers: int) -> dict:
@@ -145,6 +151,9 @@ def _sliding_layers(raw: dict, num_layers: int) -> dict:
             raise ModelLoadError(f"config.json: max_window_layers must be an integer >= 0, got {first!r}")
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if sliding and window < MIN_WINDOW:
+        raise ModelLoadError(f"config.json: sliding_window {window} is refused, use {MIN_WINDOW} or more: "
+                             f"{WINDOW_1_WHY}")
     return {"sliding_layers": sliding, "sliding_window": window if sliding else None}
 
 

@@ -23,6 +23,7 @@ with starting():  # a Ctrl-C during these imports (a second or more) ends in one
     from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
     from harness.tiny_models import EMBEDDED_HYBRID_WINDOW, as_hybrid  # noqa: E402
     from l1_contiguous import InputError, load_config  # noqa: E402
+    from l1_contiguous.config import MIN_WINDOW, WINDOW_1_WHY  # noqa: E402
     from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
     from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, WorkItem, engine_backend  # noqa: E402
     from l13_sliding_window import blocks_at_peak, kv_cache_groups, load_hybrid_model, make_hybrid_engine  # noqa: E402
@@ -39,12 +40,13 @@ def add_options(parser):
                         help="auto (default): a model whose config has no sliding layers runs as a hybrid "
                              "(--window, --sliding-layers) through a copy of its config; off: as it is")
     parser.add_argument("--window", type=int, default=EMBEDDED_HYBRID_WINDOW,
-                        help=f"sliding window in positions for --as-hybrid (default {EMBEDDED_HYBRID_WINDOW})")
+                        help=f"sliding window in positions for --as-hybrid, at least 2 (default "
+                             f"{EMBEDDED_HYBRID_WINDOW}; HF's cache does not slide a window of 1)")
     parser.add_argument("--sliding-layers", default=None,
                         help="layers that slide for --as-hybrid, e.g. 0,2 (default: every other layer from 0)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None,
-                        help="pool size (default: enough for every request at once)")
+                        help="pool size, at least 1 (default, when not given: enough for every request at once)")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help=f"at most this many prompt tokens per step (default {DEFAULT_PREFILL_CHUNK})")
     parser.add_argument("--preempt", choices=MODES, default="recompute",
@@ -69,13 +71,27 @@ def hybrid_folder(args, setup) -> None:
         return
     layers = setup.cfg.num_hidden_layers
     sliding = parse_layers(args.sliding_layers, layers) if args.sliding_layers else set(range(0, layers, 2))
-    if args.window < 1:
-        raise InputError(f"--window must be at least 1 position, got {args.window}")
+    if args.window < MIN_WINDOW:
+        why = f": {WINDOW_1_WHY}" if args.window == 1 else ""
+        raise InputError(f"--window must be at least {MIN_WINDOW} positions, got {args.window}{why}")
     folder = Path(tempfile.mkdtemp(prefix="l13-hybrid-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     types = ["sliding_attention" if i in sliding else "full_attention" for i in range(layers)]
+    args.hybrid_copy = (str(folder), str(setup.model_dir))  # (the copy, the user's folder) for messages
     setup.model_dir = as_hybrid(setup.model_dir, folder, args.window, types)
     setup.cfg = load_config(setup.model_dir)
+
+
+def load_model(args, setup):
+    """The hybrid model. The copy's files are links to the user's, so an error about one of them
+    (weights cut short) names the user's file, the one to fix, not the temporary copy."""
+    try:
+        return load_hybrid_model(setup.model_dir, setup.dtype, setup.device)
+    except InputError as exc:
+        copy, theirs = getattr(args, "hybrid_copy", ("", ""))
+        if not copy or copy not in str(exc):
+            raise
+        raise type(exc)(str(exc).replace(copy, theirs)) from None
 
 
 def parse_layers(spec: str, num_layers: int) -> set[int]:
@@ -107,8 +123,9 @@ def follow_up(args, setup, prompt: list[int]) -> list[int]:
 
 
 def run(args, setup) -> LessonRun:
-    for name, value in (("--block-size", args.block_size), ("--prefill-chunk", args.prefill_chunk)):
-        if value < 1:
+    for name, value in (("--block-size", args.block_size), ("--num-blocks", args.num_blocks),
+                        ("--prefill-chunk", args.prefill_chunk)):
+        if value is not None and value < 1:  # --num-blocks 0 is no pool, not "the default"
             raise InputError(f"{name} must be at least 1, got {value}")
     hybrid_folder(args, setup)
     items = workload(args, setup)
@@ -116,10 +133,11 @@ def run(args, setup) -> LessonRun:
     longest = max(len(w.prompt_ids) for w in items) * 2 + setup.max_new_tokens + 20  # a second turn, at most
     peaks = [blocks_at_peak(groups, longest + w.max_new_tokens - 1, args.block_size, args.prefill_chunk)
              for w in items]
-    model = load_hybrid_model(setup.model_dir, setup.dtype, setup.device)
+    model = load_model(args, setup)
     backend = args.backend or engine_backend(setup.device, setup.dtype)
     check_backend_device(backend, setup.device)
-    engine = make_hybrid_engine(model, args.num_blocks or sum(peaks), args.block_size, preempt=args.preempt,
+    num_blocks = sum(peaks) if args.num_blocks is None else args.num_blocks
+    engine = make_hybrid_engine(model, num_blocks, args.block_size, preempt=args.preempt,
                                 prefill_chunk=args.prefill_chunk, backend=backend,
                                 prefix_sharing=args.prefix_sharing == "on", hybrid_hit_rule=args.hit_rule == "hybrid",
                                 keep_behind_window=args.keep_behind_window)

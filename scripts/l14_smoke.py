@@ -51,8 +51,8 @@ def add_options(parser):
                              "pool evicts it")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None,
-                        help="pool size (default alone: two second turns at once, too small to keep the first "
-                             "turns; under torchrun: every request at once)")
+                        help="pool size, at least 1 (default, when not given: alone, two second turns at once, "
+                             "too small to keep the first turns; under torchrun, every request at once)")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help=f"at most this many prompt tokens per step (default {DEFAULT_PREFILL_CHUNK})")
     parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
@@ -69,13 +69,35 @@ def add_options(parser):
                              "back for --transfer-timeout + 1 s (that request ends with an error, the others pass)")
 
 
+# The least each count may be: a tier may hold no blocks (it is off), the pool not (0 is no pool,
+# not "the default": leave --num-blocks out for that).
+MINIMUM = {"block_size": 1, "prefill_chunk": 1, "num_blocks": 1, "cpu_blocks": 0, "file_blocks": 0}
+
+
 def check_options(args) -> None:
-    for name in ("block_size", "prefill_chunk", "cpu_blocks", "file_blocks"):
-        if getattr(args, name) < (0 if name.endswith("blocks") else 1):
-            raise InputError(f"--{name.replace('_', '-')} must be at least {0 if name.endswith('blocks') else 1}, "
-                             f"got {getattr(args, name)}")
+    for name, least in MINIMUM.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise InputError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if not args.transfer_timeout > 0:
         raise InputError(f"--transfer-timeout must be a positive number of seconds, got {args.transfer_timeout}")
+    if args.tier_dir is not None and "file" in args.tier:
+        check_tier_dir(args.tier_dir)
+
+
+def check_tier_dir(folder: str) -> None:
+    """--tier-dir must be a folder this process can write files in. Tried, not asked: a folder
+    such as /proc/self says it is one (and, to root, that it is writable), then refuses every file."""
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--tier-dir {folder} is a file; the file tier needs a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".l14-probe-"):
+            pass
+    except OSError as exc:
+        raise InputError(f"--tier-dir {folder}: cannot write files there ({exc.strerror or exc}); choose a "
+                         f"folder you can write") from None
 
 
 def passages(setup, spans, name: str = "kjv-heldout.txt") -> list[list[int]]:
@@ -104,7 +126,7 @@ def run_offload(args, setup) -> LessonRun:
         first_turns, traffic = passages(setup, CONVERSATIONS), passages(setup, TRAFFIC, "kjv-calibration.txt")
     bs, new = args.block_size, setup.max_new_tokens
     longest = max(len(p) for p in first_turns) * 2 + new + FOLLOW_UP[1]
-    num_blocks = args.num_blocks or 2 * blocks_needed(longest + new, bs)
+    num_blocks = 2 * blocks_needed(longest + new, bs) if args.num_blocks is None else args.num_blocks
     model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
     backend = args.backend or engine_backend(setup.device, setup.dtype)
     check_backend_device(backend, setup.device)
@@ -152,8 +174,10 @@ def pd_workload(args, setup) -> list[WorkItem]:
 
 
 def pd_engine(args, setup, items, connector=None):
-    num_blocks = args.num_blocks or sum(blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size)
-                                        for w in items)
+    if args.num_blocks is not None:
+        num_blocks = args.num_blocks
+    else:
+        num_blocks = sum(blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items)
     model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
     backend = args.backend or engine_backend(setup.device, setup.dtype)
     check_backend_device(backend, setup.device)
