@@ -71,9 +71,11 @@ def hybrid_folder(args, setup) -> None:
         return
     layers = setup.cfg.num_hidden_layers
     sliding = parse_layers(args.sliding_layers, layers) if args.sliding_layers else set(range(0, layers, 2))
+    if args.window < 1:
+        raise InputError(f"--window must be at least 1 position, got {args.window}; and 1 is refused too (HF's "
+                         f"cache does not slide it): use {MIN_WINDOW} or more")
     if args.window < MIN_WINDOW:
-        why = f": {WINDOW_1_WHY}" if args.window == 1 else ""
-        raise InputError(f"--window must be at least {MIN_WINDOW} positions, got {args.window}{why}")
+        raise InputError(f"--window {args.window} is refused, use {MIN_WINDOW} or more: {WINDOW_1_WHY}")
     folder = Path(tempfile.mkdtemp(prefix="l13-hybrid-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     types = ["sliding_attention" if i in sliding else "full_attention" for i in range(layers)]
