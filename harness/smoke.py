@@ -258,7 +258,7 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
         result = run(args, setup)
         report = compare_with_hf(setup, result, lambda paths: force(args, setup, paths))
     except BaseException as exc:
-        return _failure_status(exc)
+        return _failure_status(exc, parser)
     try:
         print_report(lesson, setup, report, result.figures)
         if args.json:
@@ -280,7 +280,11 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
     return 0 if report["match"] else 1
 
 
-def _failure_status(exc: BaseException) -> int:
+# Options that size what a lesson allocates: out of memory, the message names those its script has.
+SIZE_OPTIONS = ("--num-blocks", "--kv-memory", "--cache-len", "--block-size")
+
+
+def _failure_status(exc: BaseException, parser: argparse.ArgumentParser | None = None) -> int:
     """One line and exit 2 for bad input or the environment; a traceback and 3 for a bug."""
     if isinstance(exc, SystemExit):  # argparse's errors (already one line) and --help
         return exc.code if isinstance(exc.code, int) else 2
@@ -290,7 +294,7 @@ def _failure_status(exc: BaseException) -> int:
     elif isinstance(exc, InputError):
         message = str(exc)
     elif isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or _is_failed_allocation(exc):
-        message = "out of memory; lower --num-blocks / --kv-memory / --cache-len or use a smaller model"
+        message = f"out of memory; {_smaller(parser)}"
     elif isinstance(exc, OSError) and exc.errno in ENVIRONMENT_ERRNOS:
         where = f" ({exc.filename})" if exc.filename else ""
         message = f"{exc.strerror}{where}; free some space or fix the permissions, then run again"
@@ -303,6 +307,12 @@ def _failure_status(exc: BaseException) -> int:
         raise exc
     say_error(message)
     return 2
+
+
+def _smaller(parser: argparse.ArgumentParser | None) -> str:
+    """What to lower, in the script's own options (L12 has no --kv-memory, L1 no --num-blocks)."""
+    own = [o for o in SIZE_OPTIONS if parser is not None and o in parser._option_string_actions]
+    return f"lower {' / '.join(own)} or use a smaller model" if own else "use a smaller model"
 
 
 def _is_failed_allocation(exc: BaseException) -> bool:

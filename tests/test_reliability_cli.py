@@ -775,3 +775,12 @@ def test_l14_refuses_a_tier_folder_it_cannot_write_at_the_door(tier_dir, tmp_pat
     status, err = run_in_process("l14_smoke", ["--tier-dir", tier_dir, *SHORT], capsys)
     assert_one_line_error(status, err, tier_dir)
     assert "--tier-dir" in err, err
+
+
+def test_out_of_memory_names_the_scripts_own_options(capsys):
+    """`l12_smoke.py --block-size 100000000` runs out of memory, and the message named --kv-memory
+    and --cache-len, options of L2 and L1 that L12 does not have. It names the script's own."""
+    status, err = run_in_process("l12_smoke", ["--block-size", str(10**12), "--no-accuracy", *SHORT], capsys)
+    assert_one_line_error(status, err, "blocks of 10**12 tokens")
+    assert "out of memory" in err and "--block-size" in err and "--num-blocks" in err, err
+    assert "--kv-memory" not in err and "--cache-len" not in err, err
