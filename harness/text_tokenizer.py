@@ -65,10 +65,12 @@ class TextTokenizer:
     def __init__(self, backend: Tokenizer, config: dict, legacy_map: dict | None = None,
                  chat_template: str | dict | None = None):
         self.backend = backend
+        config = _v5_names(dict(config))
+        if backend.padding:  # transformers takes the pad token from the file's padding when the config has none
+            config.setdefault("pad_token", backend.padding["pad_token"])
         # transformers turns the file's truncation and padding off on every call that asks for neither.
         backend.no_truncation()
         backend.no_padding()
-        config = _v5_names(dict(config))
         added = {}  # content -> AddedToken: the folder's own description of its added tokens
         config_added = []  # tokenizer_config.json's added_tokens_decoder, in id order: added again
         if "added_tokens_decoder" in config:
