@@ -12,6 +12,8 @@ import math
 import secrets
 from dataclasses import dataclass
 
+import jinja2
+
 from l1_contiguous import InputError
 from l1_contiguous.errors import short_repr
 
@@ -275,10 +277,11 @@ def messages(messages) -> list[dict]:
 
 def _template_kwargs(kwargs, tokenizer) -> dict:
     """vLLM's chat_template_kwargs (Qwen3's {"enable_thinking": false}): variables for the folder's
-    template. A name of apply_chat_template's own arguments would change how it runs: refused."""
+    template. A name of apply_chat_template's own arguments would change how it runs, and
+    `messages` is the variable it sets itself: refused."""
     if kwargs is None:
         return {}
-    own = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k not in own for k in kwargs):
         raise InputError(f"chat_template_kwargs must be an object of template variables (not one of "
                          f"apply_chat_template's own arguments), got {short_repr(kwargs)}")
@@ -289,9 +292,20 @@ def chat_prompt_ids(messages: list[dict], tokenizer, template_kwargs: dict | Non
     """The ids the model continues from: the folder's chat template with the assistant's turn
     opened, or MINIMAL_TEMPLATE (which has no variables: template_kwargs change nothing there)."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            **(template_kwargs or {}))
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                **(template_kwargs or {}))
+        except jinja2.TemplateError as exc:
+            # raise_exception("...") in the template raises TemplateError itself: the template refuses
+            # these messages (a conversation without a user turn, a role it does not know), a 400 as
+            # in vLLM. A subclass (a syntax error, an undefined name, the sandbox refusing) means a
+            # broken template: the server's fault, left to the app's 500.
+            if type(exc) is not jinja2.TemplateError:
+                raise
+            reason = (str(exc).strip().splitlines() or ["it gave no reason"])[0]
+            raise InputError(f"the model's chat template refused these messages: {reason}") from None
+        # A dict (harness.text_tokenizer) or a BatchEncoding (transformers 5) by default; a list before.
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     text = "".join(MINIMAL_TEMPLATE.format(**m) for m in messages) + "assistant:"
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -14,8 +14,9 @@ from probes import Recorded
 
 
 def load_tokenizer(model_dir):
-    """The model's tokenizer, in the process of the code that is handed it (L11's StopMatcher)."""
-    from harness.smoke import load_tokenizer as load
+    """The model's tokenizer, in the process of the code that is handed it (L11's StopMatcher): the
+    server's own (harness.text_tokenizer), since the worker has no transformers."""
+    from harness.text_tokenizer import load_tokenizer as load
 
     return load(model_dir)
 
