@@ -107,7 +107,8 @@ class TextTokenizer:
         self._add_missing_tokens(config_added)
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        self._clean_bpe_anyway = bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"))
+        self._clean_bpe_anyway = bool(
+            config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"))
         if chat_template is None:
             chat_template = config.get("chat_template")
         if isinstance(chat_template, list):  # the config's list form: [{"name": ..., "template": ...}]
@@ -184,7 +185,9 @@ class TextTokenizer:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
         text = self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        clean = clean_up_tokenization_spaces
+        if clean is None:
+            clean = self.clean_up_tokenization_spaces
         if clean and (type(self.backend.model).__name__ != "BPE" or self._clean_bpe_anyway):
             text = clean_up_tokenization(text)
         return text

@@ -206,9 +206,11 @@ def pairs(folders) -> dict[str, tuple]:
 
 FOLDERS = ["embedded", "qwen3-style", "legacy", "wordpiece"]
 PIECES = (list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ0123456789.,;:!?'\"-()\n\t\r")
-          + ["  ", "\n\n", " \n", "'s", "'LL", "don't", "—", "“", "”", "é", "e\u0301", "ﬁ", "Å", "日本語", "😀", "👨‍👩‍👧",
-             "שלום", "\u200b", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|im_",
-             "<tool_call>", "</tool_call>", "<s>", "<extra_0>", "[CLS]", "[SEP]", "[PAD]", "[MASK]", "[AUDIO]", "hello", "world", "the LORD", "king", "And God said"])
+          + ["  ", "\n\n", " \n", "'s", "'LL", "don't", "—", "“", "”", "é", "e\u0301", "ﬁ", "Å", "日本語", "😀",
+             "👨‍👩‍👧", "שלום", "\u200b", "hello", "world", "the LORD", "king", "And God said"]
+          # every folder's added and special tokens, and a piece of one
+          + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|im_", "<tool_call>",
+             "</tool_call>", "<s>", "<extra_0>", "[CLS]", "[SEP]", "[PAD]", "[MASK]", "[AUDIO]"])
 
 
 def random_texts(seed: int, count: int) -> list[str]:
@@ -284,8 +286,9 @@ def test_qwen_style_chat_template_equals_autotokenizer(pairs, messages, generati
 
 def test_tools_go_through_tojson_as_transformers_renders_them(pairs):
     hf, ours = pairs["qwen3-style"]
+    parameters = {"type": "object", "properties": {"n": {"type": "integer"}}}
     tools = [{"type": "function", "function": {"name": "look_up", "description": "A verse <b>&</b> 'its' “book”",
-                                               "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}]
+                                               "parameters": parameters}}]
     messages = CONVERSATIONS[1]
     ours_text = ours.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     assert ours_text == hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -365,7 +368,7 @@ def test_the_server_runs_without_transformers(monkeypatch, embedded_model_dir, t
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError now
     with pytest.raises(ImportError):
-        import transformers  # noqa: F401
+        __import__("transformers")
     from l11_serve import build_server
 
     folder = tmp_path / "with-template"
