@@ -53,6 +53,9 @@ def check_options(args) -> None:
         raise InputError(f"--k must be in 1..16 (proposals per step), got {args.k}")
     if args.block_size < 1 or args.n < 1:
         raise InputError(f"--block-size and --n must be at least 1, got {args.block_size} and {args.n}")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        raise InputError(f"--num-blocks must be at least 1, got {args.num_blocks}; leave it out for a pool that "
+                         "holds every request")
 
 
 def drafters_to_run(args, setup) -> list[str]:
@@ -83,7 +86,8 @@ def run(args, setup) -> LessonRun:
     check_options(args)
     items = [SampledWorkItem(p.ids, setup.max_new_tokens, n=args.n) for p in setup.prompts]
     need = [blocks_needed(len(w.prompt_ids) + w.max_new_tokens, args.block_size) for w in items for _ in range(w.n)]
-    num_blocks = l5_smoke.checked_pool(args.num_blocks or sum(need), items, args.block_size)
+    num_blocks = l5_smoke.checked_pool(sum(need) if args.num_blocks is None else args.num_blocks, items,
+                                        args.block_size)
     model = load_engine_model(setup.model_dir, setup.dtype, setup.device)
     backend = args.backend or engine_backend(setup.device, setup.dtype)
     check_backend_device(backend, setup.device)

@@ -707,11 +707,7 @@ def _has_option(script: str, option: str) -> bool:
 
 
 POOL_SCRIPTS = [s for s in SCRIPTS if _has_option(s, "--num-blocks")]
-# scripts/l10_smoke.py has the same `args.num_blocks or ...`; it lies outside the change that fixed
-# L13 and L14 (issue 53). Strict: once it is fixed, this mark must go.
-_KNOWN = {("l10_smoke", "0"): "l10_smoke.py still reads --num-blocks 0 as the default pool"}
-POOL_CASES = [pytest.param(s, v, marks=[pytest.mark.xfail(strict=True, reason=_KNOWN[s, v])] if (s, v) in _KNOWN else [])
-              for s in POOL_SCRIPTS for v in ("0", "-3")]
+POOL_CASES = [(s, v) for s in POOL_SCRIPTS for v in ("0", "-3")]
 
 
 @pytest.mark.parametrize("script,value", POOL_CASES)
