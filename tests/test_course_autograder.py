@@ -409,6 +409,20 @@ for _path in _pathlib.Path("tests").glob("test_*.py"):  # every test rewritten t
 """
 
 
+# Issue 52: transformers (HF's Qwen3, the oracle) and the harness's oracle module were importable
+# in the worker, reached without an import statement.
+ORACLE = """
+import importlib as _importlib
+for _name in ("transformers", "harness.hf_reference"):
+    try:
+        _importlib.import_module(_name)
+        open(MARKER, "a").write(f"imported {_name} ")
+    except ImportError as _exc:
+        open(MARKER, "a").write(f"{type(_exc).__name__} ")
+open(MARKER, "a").write("\\n")
+"""
+
+
 FORK_BOMB = """
 import os as _os, time as _time
 if not _os.environ.get("_BOMB_STARTED"):
@@ -455,7 +469,8 @@ def test_attacks_on_the_machine_and_the_reports_are_contained_and_earn_nothing(b
     stub's honest score is 0, and so is this one's; nothing the attacks started is left."""
     notes = Path(tempfile.mkdtemp(prefix="attacks-"))
     notes.chmod(0o777)
-    attacks = {"daemon": DAEMON, "rewrite": REWRITE_TESTS, "kill": KILL_GRADER, "hog": MEMORY_HOG, "bomb": FORK_BOMB}
+    attacks = {"daemon": DAEMON, "rewrite": REWRITE_TESTS, "kill": KILL_GRADER, "hog": MEMORY_HOG, "bomb": FORK_BOMB,
+               "oracle": ORACLE}
     code = "\n".join(attack.replace("MARKER", repr(str(notes / name))) for name, attack in attacks.items())
     results = run_bundle(bundle, stub_with(bundle, tmp_path, code), tmp_path, memory_mb=4096)
     assert results["score"] == 0 and results["tests"], [t["name"] for t in results["tests"] if t["score"]]
@@ -463,7 +478,8 @@ def test_attacks_on_the_machine_and_the_reports_are_contained_and_earn_nothing(b
     assert daemon, "the daemon never started: " + results["log"][-2000:]
     assert not alive(daemon), "a process the student's code detached outlived the grading"
     rewrite = note_of(notes / "rewrite")
-    assert "PermissionError" in rewrite and "rewrote" not in rewrite, rewrite[:500]
+    assert "rewrote" not in rewrite, rewrite[:500]  # the worker's copy holds no test to rewrite
+    assert note_of(notes / "oracle").split() == ["ModuleNotFoundError"] * 2, note_of(notes / "oracle")
     assert note_of(notes / "kill") == "PermissionError"
     assert note_of(notes / "hog") == "MemoryError"
     bombs = [int(line) for line in note_of(notes / "bomb").split()]
@@ -559,6 +575,27 @@ def test_flags_name_only_changed_code_that_only_a_cheat_needs(bundle, tmp_path):
 
 
 @pytest.mark.timeout(1800)  # two judged gradings of L1's files: about a minute here
+@as_root
+def test_a_path_the_students_code_names_is_never_read_for_it(bundle, tmp_path):
+    """Issue 52: a judged test globbed `Path(l1_contiguous.__file__).parent` and parsed what it found
+    as root; a planted symlink put /etc/shadow into the student's output. The tests now take the
+    package's folder from the grader, and the judge runs as a user of its own, which cannot read
+    /etc/shadow either."""
+    planted = Path(tempfile.mkdtemp(prefix="planted-"))
+    planted.chmod(0o755)
+    (planted / "leak.py").symlink_to("/etc/shadow")
+    code = f"__file__ = {str(planted / '__init__.py')!r}\n"
+    select = "tests/test_l1_model.py::test_l1_matches_hf_with_transformers_unimportable"
+    try:
+        results = run_bundle(bundle, stub_with(bundle, tmp_path, code), tmp_path, select=select)
+    finally:
+        shutil.rmtree(planted, ignore_errors=True)
+    assert results["score"] == 0 and results["tests"]
+    first_line = Path("/etc/shadow").read_text().splitlines()[0]
+    everything = results["log"] + json.dumps(results["tests"]) + results["output"]
+    assert first_line not in everything and "leak.py" not in everything, "the planted path was read"
+
+
 def test_greedy_generate_through_transformers_earns_what_the_stub_under_it_earns(bundle, tmp_path):
     """The HF shortcut: L1 done but greedy_generate answered by transformers' own generate, in the
     worker, where the student's code runs. It earns no test that a stub greedy_generate does not."""

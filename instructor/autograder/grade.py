@@ -706,8 +706,9 @@ def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manife
     home = worker_home(work, part, user)
     judge_home = worker_home(work, part, judge, prefix="judge-home")
     judge_home.chmod(0o711)  # the worker reads what tests make for it here (models), by path only
+    # KVCOURSE_NO_ORACLE: a smoke script the worker runs prints its ids; the judge compares them.
     settings = {"python": worker_py, "tree": str(copy), "user": user, "memory_mb": memory_mb,
-                "env": environment(home, copy)}
+                "env": {**environment(home, copy), "KVCOURSE_NO_ORACLE": "1"}}
     env = {**environment(judge_home, judge_tree), "KVCOURSE_STUDENT_TREE": str(copy)}
     nodeids = [part.canaries[0], *(n for n in manifest["tests"] if n.split("::")[0] in part.files), part.canaries[1]]
     targets = [part.canaries[0].split("::")[0], *part.files, part.canaries[1].split("::")[0]]
