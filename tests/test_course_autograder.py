@@ -8,6 +8,7 @@ the slow variants grade everything."""
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import shutil
@@ -79,12 +80,19 @@ def submit(tmp_path: Path, packages_from: Path, folder: str = "my-work", edits: 
     return submission
 
 
+# Each checkout grades with users of its own: a grading kills every process of its worker user when
+# a part ends, so two checkouts grading at once (CI's clone beside a working copy) would otherwise
+# kill each other's workers.
+_CHECKOUT = hashlib.sha1(str(ROOT).encode()).hexdigest()[:8]
+USERS = {"AUTOGRADER_WORKER_USER": f"ag-worker-{_CHECKOUT}", "AUTOGRADER_JUDGE_USER": f"ag-judge-{_CHECKOUT}"}
+
+
 def run_bundle(root: Path, submission: Path, tmp_path: Path, select: str | None = FAST, **settings) -> dict:
     """results.json of run_autograder on `submission`, plus its "log" (stdout) and "seconds".
     Skipped, with the grader's reason, where the grader refuses to grade on this machine (as root,
     the worker's user can run neither this python nor a system one over its packages)."""
     results = tmp_path / "results" / "results.json"
-    env = {**os.environ, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SUBMISSION": str(submission),
+    env = {**os.environ, **USERS, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SUBMISSION": str(submission),
            "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": sys.executable, "AUTOGRADER_SELECT": select or "",
            **{f"AUTOGRADER_{k.upper()}": str(v) for k, v in settings.items()}}
     env.pop("PYTHONPATH", None)  # the scratch copy must be what is imported, as on Gradescope
@@ -335,6 +343,7 @@ def test_patching_the_grader_from_a_stub_submission_earns_nothing_and_is_flagged
 @pytest.mark.skipif(os.geteuid() != 0, reason="the worker switches to an unprivileged user only when run as root")
 def test_the_worker_runs_as_a_user_that_cannot_write_the_results(bundle, tmp_path):
     grade = load_script_at(bundle / "source" / "grade.py")
+    grade.WORKER_USER = USERS["AUTOGRADER_WORKER_USER"]
     user = grade.worker_user()
     work = Path(tempfile.mkdtemp(prefix="autograder-"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)
@@ -676,14 +685,14 @@ def test_setup_sh_makes_an_environment_without_system_packages_that_grades(bundl
         # The atexit cheat aimed at results.json only (rewriting the worker's own report costs it its score).
         cheat = text + ATEXIT_REWRITE.replace('"/autograder/results/results.json",', f'"{results}",').replace(
             ', *glob.glob(os.path.expanduser("~/*.jsonl"))', '')
-        env = {**os.environ, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SELECT": FAST,
+        env = {**os.environ, **USERS, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SELECT": FAST,
                "AUTOGRADER_SUBMISSION": str(submit(base, ROOT, edits={init: (text, cheat)}))}
         env.pop("PYTHONPATH", None)
         log = subprocess.run([str(root / "source" / "run_autograder")], env=env, capture_output=True, text=True,
                              timeout=900, check=True).stdout
         graded = json.loads(results.read_text())
         assert graded["score"] == sum(t["max_score"] for t in graded["tests"]) > 0, log[-3000:]
-        if "note: the worker runs as the current user" not in log:  # it ran as autograder-student
+        if "note: the worker runs as the current user" not in log:  # it ran as its own user
             assert "FLAG for the instructor: l1_contiguous/__init__.py: atexit" in log
     finally:
         shutil.rmtree(base, ignore_errors=True)
