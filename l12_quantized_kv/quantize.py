@@ -5,7 +5,8 @@
 
     fp8 e4m3 (torch.float8_e4m3fn)   s eeee mmm    bias 7, no infinities, NaN = s 1111 111
         largest 448 = 1.75 * 2^8, smallest normal 2^-6, smallest subnormal 2^-9
-        relative step 2^-3 near every power of two: 3 significant bits, about 6% worst-case error
+        relative step 2^-3 near every power of two: 3 mantissa bits (4 significant with the implicit
+        leading one), about 6% worst-case rounding error
     int8 (symmetric)                 -127..127      one step = scale, the same everywhere
         code -128 is never produced by a finite value: it stands for NaN
 
