@@ -4,10 +4,11 @@
 Accuracy (the embedded model, held-out King James text: assets/kjv-heldout.txt, scales calibrated
 on assets/kjv-calibration.txt). For each setting, every passage is prefilled once over the float32
 pool and once over the quantized pool (teacher forcing: the same tokens at every position):
-top-1 agreement, mean and max KL(float || quantized) per position, perplexity of both; then
-greedy agreement: from each passage's first 16 tokens, how many of 48 greedy tokens the
-quantized engine gives before its first difference from the float engine; and whether the
-quantized engine's greedy ids equal the quantizing HF oracle's (harness/quantized_cache.py).
+top-1 agreement, mean and max KL(float || quantized) per position, perplexity of both; and
+whether the quantized engine's greedy ids equal the quantizing HF oracle's
+(harness/quantized_cache.py). How many greedy tokens agree before the first difference is not
+shown: on a 4-layer model it is noise (fp8 with one scale beat per-head scales, the reverse of
+their KL and top-1); formats are compared by KL and top-1.
 
 Capacity (bench_l5's workload: 32 requests, prompts 8-128, outputs 8-64, all at step 0). One
 memory budget, a quarter of what the requests need together in float32, holds as many blocks as
@@ -52,7 +53,7 @@ from l12_quantized_kv.engine import calibrate, load_quantized_model, make_quanti
 SETTINGS = [("fp8", "one"), ("fp8", "tensor"), ("fp8", "head"), ("int8", "one"), ("int8", "tensor"), ("int8", "head")]
 GREEDY_PROMPT, GREEDY_TOKENS = 16, 48
 ACCURACY_COLUMNS = ["format", "scales", "top-1 agree", "KL mean", "KL max", "ppl float32", "ppl quantized",
-                    "ppl change %", "greedy agree mean", "greedy agree min", "ids = oracle"]
+                    "ppl change %", "ids = oracle"]
 CAPACITY_COLUMNS = ["pool", "model", "bytes / block", "blocks", "most running", "preemptions", "wall s",
                     "tokens/s", "decode KV read MiB", "ids = oracle"]
 
@@ -83,7 +84,7 @@ def accuracy_rows(model_dir: Path, block_size: int) -> list[dict]:
     rows = []
     for fmt, granularity in SETTINGS:
         scales = calibrate(model, calibration, FORMATS[fmt], granularity, block_size)
-        f = accuracy_cost(model, scales, heldout, block_size, GREEDY_PROMPT, GREEDY_TOKENS)
+        f = accuracy_cost(model, scales, heldout, block_size)
         prompts = [p[:GREEDY_PROMPT] for p in heldout]
         engine = make_quantized_engine(model, scales, sum(blocks_needed(GREEDY_PROMPT + GREEDY_TOKENS, block_size)
                                                           for _ in prompts), block_size)
@@ -95,8 +96,7 @@ def accuracy_rows(model_dir: Path, block_size: int) -> list[dict]:
                      "KL mean": f"{f['kl_mean']:.2e}", "KL max": f"{f['kl_max']:.2e}",
                      "ppl float32": f["ppl_float"], "ppl quantized": f["ppl_quantized"],
                      "ppl change %": f"{100 * (f['ppl_quantized'] / f['ppl_float'] - 1):+.3f}",
-                     "greedy agree mean": f"{f['greedy_agreement_mean']:.1f} / {GREEDY_TOKENS}",
-                     "greedy agree min": f["greedy_agreement_min"], "ids = oracle": "yes" if equal else "NO",
+                     "ids = oracle": "yes" if equal else "NO",
                      "positions": f["positions"]})
     return rows
 
@@ -163,9 +163,9 @@ def main(argv=None) -> int:
                 f"`{bench_command('bench_l12.py', sys.argv[1:] if argv is None else argv)}` on {model_dir.name}.\n\n"
                 f"**Accuracy** against the float32 pool, teacher-forced over {accuracy[0]['positions']} positions of "
                 "held-out King James text (assets/kjv-heldout.txt), scales calibrated on assets/kjv-calibration.txt; "
-                f"greedy agreement: tokens (of {GREEDY_TOKENS}, from each passage's first {GREEDY_PROMPT}) before the "
-                "quantized engine's first difference from the float engine's; ids = oracle: the quantized engine's "
-                "greedy ids equal HF's Qwen3 running a cache that quantizes the same way.\n\n"
+                "ids = oracle: the quantized engine's greedy ids (from each passage's first "
+                f"{GREEDY_PROMPT} tokens, {GREEDY_TOKENS} new) equal HF's Qwen3 running a cache that quantizes the "
+                "same way.\n\n"
                 + markdown_table(accuracy, ACCURACY_COLUMNS)
                 + f"\n\n**Capacity**: bench_l5's workload (32 requests, all at step 0) in one memory budget, "
                 f"{args.budget_fraction:g} of what the requests need together in float32; preemption by recompute; "
