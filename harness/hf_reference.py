@@ -61,6 +61,15 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
     return out.logits[0].float()
 
 
+@torch.inference_mode()
+def hf_kv(model, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """HF's cached K and V after one forward over `ids`, per layer, each [len(ids), H_kv, D] in
+    float32: keys after k_norm and RoPE, as a cache stores them."""
+    out = model(input_ids=torch.tensor([ids], device=model.device), use_cache=True)
+    return [(layer.keys[0].transpose(0, 1).float().cpu(), layer.values[0].transpose(0, 1).float().cpu())
+            for layer in out.past_key_values.layers]
+
+
 def top2_gaps(logits: torch.Tensor) -> torch.Tensor:
     """Top-1 minus top-2 logit per row: small gaps are where two correct runs may disagree."""
     top2 = logits.topk(2, dim=-1).values

@@ -47,6 +47,18 @@ def hf_ids(model_dir, prompt_ids, max_new_tokens):
     return hf.hf_greedy(hf.load_hf_model(str(model_dir)), prompt_ids, max_new_tokens)
 
 
+def assert_cache_holds_hf_kv(model_dir, cache, seq: list[int]) -> None:
+    """The K/V a contiguous cache holds after a run equal HF's for `seq` (the prompt and every new
+    id fed back), computed here. This is state the run left: a greedy_generate that recomputed the
+    whole sequence at every step leaves the cache it was given empty, whatever a probe inside the
+    student's process was told (under the judge, forward_lengths records what that process says)."""
+    assert cache.length == len(seq), f"the cache holds {cache.length} positions after the run, not {len(seq)}"
+    for layer, (k, v) in enumerate(hf.hf_kv(hf.load_hf_model(str(model_dir)), seq)):
+        for name, ours, theirs in (("K", cache.k[layer], k), ("V", cache.v[layer], v)):
+            torch.testing.assert_close(ours[:len(seq)].float(), theirs, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"layer {layer} cached {name} differs from HF's: {m}")
+
+
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(vocab_size) for _ in range(length)]

@@ -624,6 +624,53 @@ def test_greedy_generate_through_transformers_earns_what_the_stub_under_it_earns
     assert not gained, f"these pay for a greedy_generate that does not use the cache: {gained}"
 
 
+# Issue 52: the cache-less decode of RECOMPUTE, telling torch's global forward hooks (the probe that
+# watches forward lengths lives in the worker) the lengths a cached run would show.
+FORGED_LENGTHS = """\
+    import torch.nn.modules.module as _module
+    hooks = dict(_module._global_forward_pre_hooks)
+    seq, fake = list(prompt_ids), len(prompt_ids)  # the cheat: no cache, and the probes told otherwise
+    while len(out.new_ids) < max_new_tokens:
+        _module._global_forward_pre_hooks.clear()
+        logits = forward_step(model, ContiguousKvCache(model.config, len(seq), model.dtype, model.device), seq)
+        _module._global_forward_pre_hooks.update(hooks)
+        for hook in hooks.values():
+            hook(model, (torch.zeros(1, fake, dtype=torch.long),))
+        fake = 1
+        if out.logits:
+            out.logits.append(logits[-1].float())
+        else:
+            out.logits.extend(logits.float() if keep_prompt_logits else logits[-1:].float())
+        token = int(out.logits[-1].argmax())
+        out.new_ids.append(token)
+        seq.append(token)
+        if token in stop_ids:
+            break
+"""
+
+
+def test_forging_what_a_probe_sees_earns_nothing_over_the_same_code_not_forging(bundle, tmp_path):
+    """Issue 52: a cache-less greedy_generate that tells the worker-side probe the forward lengths a
+    cached run would show earned 44/47 (16 honestly). The tests that pay for the cache now check the
+    K/V the cache holds after the run against HF's, in the judge: forging the probe gains nothing."""
+    from test_course_grading import RECOMPUTE
+
+    text = (ROOT / "l1_contiguous" / "generate.py").read_text()
+    start, end = text.index("    # BEGIN SOLUTION\n"), text.index("    # END SOLUTION\n")
+    select = "tests/test_l1_model.py tests/test_l1_smoke.py"
+    earned = {}
+    for name, body in (("honest", RECOMPUTE), ("forged", FORGED_LENGTHS)):
+        edits = {"l1_contiguous/generate.py": (text[start:end], "    # BEGIN SOLUTION\n" + body)}
+        results = run_bundle(bundle, submit(tmp_path / name, ROOT, edits=edits), tmp_path / name, select=select)
+        assert results["tests"] and "== judged tests:" in results["log"]
+        earned[name] = {t["name"]: t["score"] for t in results["tests"] if t["score"] > 0}
+    gained = sorted(set(earned["forged"]) - set(earned["honest"]))
+    assert not gained, f"these pay for forged forward lengths: {gained}"
+    total = sum(t["max_score"] for t in results["tests"])
+    print(f"cache-less greedy_generate: {sum(earned['honest'].values()):g}/{total:g} honest, "
+          f"{sum(earned['forged'].values()):g}/{total:g} with the probe forged")
+
+
 def load_script_at(path: Path):
     import importlib.util
 

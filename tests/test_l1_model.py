@@ -12,7 +12,8 @@ import torch
 from harness import hf_reference as hf
 from harness.tiny_models import QWEN3_0_6B
 import probes
-from helpers import budget, forward_lengths, hf_ids, prefilled_then_one_token_per_step, random_prompt
+from helpers import (assert_cache_holds_hf_kv, budget, forward_lengths, hf_ids, prefilled_then_one_token_per_step,
+                     random_prompt)
 from l1_contiguous import (ContiguousKvCache, InputError, ModelLoadError, Qwen3ForCausalLM, RMSNorm,
                           RotaryEmbedding, apply_rotary, attend, forward_step, greedy_generate, load_config)
 
@@ -184,9 +185,11 @@ def test_cache_rejects_writes_past_its_end(tiny_model_dir):
 def test_cached_decode_equals_full_recompute(tiny_model_dir):
     model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir)
     prompt = random_prompt(12, model.config.vocab_size, seed=3)
+    cache = ContiguousKvCache(model.config, len(prompt) + 6, torch.float32)
     with forward_lengths(Qwen3ForCausalLM) as lengths:
-        gen = greedy_generate(model, prompt, 6)
+        gen = greedy_generate(model, prompt, 6, cache=cache)
     assert prefilled_then_one_token_per_step(lengths, len(prompt)), lengths
+    assert_cache_holds_hf_kv(tiny_model_dir, cache, prompt + gen.new_ids[:-1])
     for step, logits in enumerate(gen.logits[len(prompt) - 1:]):
         seq = prompt + gen.new_ids[:step]
         with torch.inference_mode():
@@ -203,10 +206,12 @@ def test_cached_decode_equals_full_recompute(tiny_model_dir):
 def test_greedy_generate_matches_hf_prefilling_once_then_one_token_per_step(tiny_model_dir):
     model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir)
     prompt = random_prompt(9, model.config.vocab_size, seed=5)
+    cache = ContiguousKvCache(model.config, len(prompt) + 5, torch.float32)
     with forward_lengths(Qwen3ForCausalLM) as lengths:
-        gen = greedy_generate(model, prompt, 5, stop_ids=[])
+        gen = greedy_generate(model, prompt, 5, cache=cache, stop_ids=[])
     assert lengths == [9, 1, 1, 1, 1], "one forward of the prompt, then one token per decode step"
     assert gen.new_ids == hf_ids(tiny_model_dir, prompt, 5)
+    assert_cache_holds_hf_kv(tiny_model_dir, cache, prompt + gen.new_ids[:-1])
 
 
 @pytest.mark.points(2)
@@ -245,12 +250,14 @@ def test_l1_matches_hf_with_transformers_unimportable(tiny_model_dir, monkeypatc
             assert not any(n.split(".")[0] == "transformers" for n in names), f"{path.name} imports transformers"
     model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir)
     prompt = random_prompt(7, model.config.vocab_size, seed=8)
+    cache = ContiguousKvCache(model.config, len(prompt) + 4, torch.float32)
     with monkeypatch.context() as blocked:
         blocked.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
         with forward_lengths(Qwen3ForCausalLM) as lengths:
-            got = greedy_generate(model, prompt, 4).new_ids
+            got = greedy_generate(model, prompt, 4, cache=cache).new_ids
     assert prefilled_then_one_token_per_step(lengths, len(prompt)), lengths
     assert got == hf_ids(tiny_model_dir, prompt, 4)
+    assert_cache_holds_hf_kv(tiny_model_dir, cache, prompt + got[:-1])
 
 
 # ---------------------------------------------------------------- against HF
@@ -270,9 +277,11 @@ def test_logits_and_greedy_ids_match_hf_across_configs(make_model, name):
     d = make_model(seed=len(name), **CONFIGS[name])
     model = Qwen3ForCausalLM.from_pretrained(d)
     prompt = random_prompt(13, model.config.vocab_size, seed=1)
+    cache = ContiguousKvCache(model.config, len(prompt) + 10, torch.float32)
     with forward_lengths(Qwen3ForCausalLM) as lengths:
-        gen = greedy_generate(model, prompt, 10)
+        gen = greedy_generate(model, prompt, 10, cache=cache)
     assert prefilled_then_one_token_per_step(lengths, len(prompt)), lengths
+    assert_cache_holds_hf_kv(d, cache, prompt + gen.new_ids[:-1])
     hf_model = hf.load_hf_model(str(d))
     assert gen.new_ids == hf.hf_greedy(hf_model, prompt, 10)
     ref = hf.hf_logits(hf_model, prompt + gen.new_ids[:-1])
@@ -302,10 +311,12 @@ def check_stop_ids(model, prompt: list[int], ids: list[int]) -> None:
 def test_greedy_ids_match_hf_for_prompt_lengths(tiny_model_dir, length):
     model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir)
     prompt = random_prompt(length, model.config.vocab_size, seed=length)
+    cache = ContiguousKvCache(model.config, length + 16, torch.float32)
     with forward_lengths(Qwen3ForCausalLM) as lengths:
-        ids = greedy_generate(model, prompt, 16, stop_ids=[]).new_ids
+        ids = greedy_generate(model, prompt, 16, cache=cache, stop_ids=[]).new_ids
     assert lengths == [length] + [1] * 15  # the cache, not a recompute, serves each decode step
     assert ids == hf_ids(tiny_model_dir, prompt, 16)
+    assert_cache_holds_hf_kv(tiny_model_dir, cache, prompt + ids[:-1])
     check_stop_ids(model, prompt, ids)
 
 
@@ -340,9 +351,11 @@ def test_qwen3_0_6b_shapes_sharded_checkpoint_matches_hf(make_model):
     model = Qwen3ForCausalLM.from_pretrained(d)
     assert model.dtype == torch.float32 and model.config.head_dim == 128 and model.config.tie_word_embeddings
     prompt = random_prompt(9, model.config.vocab_size, seed=2)
+    cache = ContiguousKvCache(model.config, len(prompt) + budget(6, 3), torch.float32)
     with forward_lengths(Qwen3ForCausalLM) as lengths:
-        gen = greedy_generate(model, prompt, budget(6, 3))
+        gen = greedy_generate(model, prompt, budget(6, 3), cache=cache)
     assert prefilled_then_one_token_per_step(lengths, len(prompt)), lengths
+    assert cache.length == len(prompt) + len(gen.new_ids) - 1, "the cache it was given holds every fed position"
     hf_model = hf.load_hf_model(str(d))
     assert gen.new_ids == hf.hf_greedy(hf_model, prompt, budget(6, 3))
     ref = hf.hf_logits(hf_model, prompt + gen.new_ids[:-1])
