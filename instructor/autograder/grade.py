@@ -16,20 +16,24 @@ results.json:
    Each part has two planted canary tests with random names, which must fail. A part runs until
    its tests end or the whole run's time limit is reached; a run cut off by it loses only the
    tests not yet run (the tail of the long part), each reported as not run and why.
-3. Judged parts (the lessons in JUDGED_LESSONS): pytest runs as the grader, in a tree of the
-   bundle's own files that the worker cannot read (hidden tests included), with KVCOURSE_JUDGE set
-   (harness/judge.py): it never imports the student's packages. They run in a worker this file
-   starts (`--worker`) as the unprivileged user, in the scratch copy of the upload, which answers
-   with plain data only; every assertion, the HF oracle and the reports stay with the grader. A
-   test stopped by its time limit while the student's code ran stops that worker; the tests not
-   yet run go on with a new one.
+3. Judged parts (the lessons in JUDGED_LESSONS): pytest runs as the judge's own user
+   (AUTOGRADER_JUDGE_USER, never root), in a tree of the bundle's own files that the worker cannot
+   read (hidden tests included), with KVCOURSE_JUDGE set (harness/judge.py): it never imports the
+   student's packages. They run in a worker this file starts for each pytest run, as the worker's
+   user, in the scratch copy of the upload, on two pipes the judge inherits; the worker answers
+   with plain data only, and every assertion, every comparison, the HF oracle and the reports stay
+   with the judge. A test stopped by its time limit while the student's code ran stops that
+   pytest and this file stops its worker; the tests not yet run go on with a new pair.
 4. Other parts: pytest itself runs in the worker, as the unprivileged user, tests and student code
-   in one process (the lessons not in JUDGED_LESSONS).
-5. Every worker runs as the unprivileged user (always, when this runs as root, as on Gradescope:
+   in one process (the lessons not in JUDGED_LESSONS; today none).
+5. The worker runs as the unprivileged user (always, when this runs as root, as on Gradescope:
    if that is impossible nothing is run and the instructor is told), in its own session, with
-   limits on memory, processes, file size and core dumps. The scratch copy (tests, harness) is
-   the grader's and read-only to the worker, which writes only in its own home folder. When the
-   part ends, every process of that user is killed, wherever it moved.
+   limits on memory, processes, file size and core dumps, and with a python of its own
+   (`worker_environment`): only the lessons' dependencies, never transformers. The scratch copy
+   (lesson packages, the harness's helpers, the tests' probes; no test, no oracle) is the
+   grader's and read-only to the worker, which writes only in its own home folder. When the part
+   ends, every process of that user is killed, wherever it moved. Root itself acts only on
+   folders it made, in a scratch folder of its own, and on the bundle.
 6. Outcomes come test by test through a pipe (the grading plugin's `--outcomes-log`); the first
    report of each test phase counts, so nothing written later can change it. Points come from the
    manifest collected from the bundle's own copy when it was built, never from the worker. A canary
@@ -48,15 +52,17 @@ only what its own functions return.
 
 Settings (environment): AUTOGRADER_ROOT (/autograder), AUTOGRADER_SOURCE ($ROOT/source),
 AUTOGRADER_SUBMISSION ($ROOT/submission), AUTOGRADER_RESULTS ($ROOT/results/results.json),
-AUTOGRADER_PYTHON (the python that runs pytest; the worker runs it too where its user can, else
-`python_for` gives it one), AUTOGRADER_TIME_LIMIT (seconds for all parts
+AUTOGRADER_PYTHON (the python that runs pytest, as the judge's user: `python_for` gives that user
+a system python over its packages where it cannot run it, as under /root; the worker's own is
+made from it by `worker_environment`), AUTOGRADER_TIME_LIMIT (seconds for all parts
 together, default 2280: below Gradescope's longest assignment timeout, 40 minutes, so that what
 finished is written before the platform stops the run), AUTOGRADER_TEST_TIMEOUT (seconds per
 test on an idle machine, default 180), AUTOGRADER_MEMORY_MB (address space per worker process,
 default 8192), AUTOGRADER_SELECT (node-id prefixes: grade only those tests, to try the bundle on
 a part), AUTOGRADER_PYTEST_ARGS,
-AUTOGRADER_WORKER_USER (default autograder-student; when not run as root the worker runs as the
-current user, without that separation, which is only for trying the bundle locally).
+AUTOGRADER_WORKER_USER (default autograder-student) and AUTOGRADER_JUDGE_USER (default
+autograder-judge); when not run as root both run as the current user, without that separation,
+which is only for trying the bundle locally.
 """
 
 from __future__ import annotations
