@@ -40,3 +40,10 @@ fi
 # from the default index (PyPI) instead: set-up does not fail for that reason.
 "$ROOT/venv/bin/python" "$ROOT/source/scripts/install_torch.py" --python "$ROOT/venv/bin/python" --build cpu
 "$ROOT/venv/bin/python" -m pip install -e "$ROOT/source[dev]"
+# The grader's environment holds transformers, HF's Qwen3: the oracle. Only the judge's user may
+# read it (grade.py runs the judged tests as that user); the student's code gets an environment of
+# its own when it is graded (grade.py's worker_environment), so no path leads it here.
+JUDGE_USER="${AUTOGRADER_JUDGE_USER:-autograder-judge}"
+id -u "$JUDGE_USER" >/dev/null 2>&1 || useradd --no-create-home --shell /usr/sbin/nologin "$JUDGE_USER"
+chgrp -R "$(id -gn "$JUDGE_USER")" "$ROOT/venv"
+chmod -R o-rwx "$ROOT/venv"
