@@ -488,7 +488,8 @@ def test_attacks_on_the_machine_and_the_reports_are_contained_and_earn_nothing(b
     assert not alive(daemon), "a process the student's code detached outlived the grading"
     rewrite = note_of(notes / "rewrite")
     assert "rewrote" not in rewrite, rewrite[:500]  # the worker's copy holds no test to rewrite
-    assert note_of(notes / "oracle").split() == ["ModuleNotFoundError"] * 2, note_of(notes / "oracle")
+    oracle = note_of(notes / "oracle").split()  # a line per worker that imported the stub
+    assert oracle and set(oracle) == {"ModuleNotFoundError"}, oracle
     assert note_of(notes / "kill") == "PermissionError"
     assert note_of(notes / "hog") == "MemoryError"
     bombs = [int(line) for line in note_of(notes / "bomb").split()]
