@@ -1,8 +1,9 @@
 """L12 against its oracle: HF's Qwen3 with a cache that quantizes on write (harness/quantized_cache.py,
 which never imports the lesson). Logits step by step, prefill in chunks then decode, through a
-pool filled with NaN codes; greedy ids through the engine with preemption by recompute and by
-swap, prefix sharing and n > 1; the calibration pool's amax against the K and V HF computes; a
-block cached under other scales is never reused."""
+pool filled with NaN codes, each decode step handing attention the pool's own codes; greedy ids
+through the engine with preemption by recompute and by swap, prefix sharing and n > 1; the
+calibration pool's amax against the K and V HF computes; a block cached under other scales is
+never reused."""
 
 from __future__ import annotations
 
@@ -59,15 +60,39 @@ def hf_step_logits(hf_model, ids: list[int], prompt_len: int, cache) -> torch.Te
     return torch.cat(rows).float()
 
 
+def check_decode_hands_codes(model, pool, scales, scratch, backend: str) -> None:
+    """§2.5's decode contract, in every layer: kv_step hands attention the layer's own code blocks
+    (a view of the pool, neither dequantized nor copied) and its scales, so that decode reads codes
+    through `paged_attention_quantized`. A kv_step that dequantizes the whole pool every step gives
+    the same logits through L3's float path, reading four times the bytes: logits cannot tell.
+    Writes one token at position 1 of `scratch`, a request whose block nothing else reads."""
+    scratch.cur_len, scratch.output_ids = 1, [11]
+    _, meta = build_block_meta([scratch], [1], "cpu", backend)
+    cfg = model.config
+    k = torch.randn(1, cfg.num_key_value_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    for layer, block in enumerate(model.model.layers):
+        k_all, v_all = block.self_attn.kv_step(k, k.clone(), pool, meta)
+        for got, codes, layer_scales in ((k_all, pool.k_blocks[layer], scales.k[layer]),
+                                         (v_all, pool.v_blocks[layer], scales.v[layer])):
+            assert getattr(got, "codes", None) is not None, (
+                f"layer {layer}: a decode step's kv_step returned a {type(got).__name__}, not the code blocks and "
+                f"scales (QuantizedBlocks): decode must not dequantize the pool (§2.5)")
+            assert probes.data_ptr(got.codes) == probes.data_ptr(codes) and got.codes.shape == codes.shape, \
+                f"layer {layer}: a decode step's kv_step handed attention a copy of the codes, not the pool's own"
+            assert torch.equal(got.scales, layer_scales), f"layer {layer}: decode's scales are not the layer's"
+
+
 @torch.inference_mode()
 def our_step_logits(model, scales, ids: list[int], chunks: list[int], backend: str) -> torch.Tensor:
     """The same positions through L12's attention on a quantized pool of NaN codes: prefill in
-    `chunks` (a later chunk reads the earlier ones' codes), then one decode step per token."""
+    `chunks` (a later chunk reads the earlier ones' codes), then one decode step per token, each
+    of which reads codes (check_decode_hands_codes)."""
     n = blocks_needed(len(ids), BS) + 2
     pool = QuantizedKvPool(model.config, n, BS, scales)
     pool.fill_nan()
     alloc = BlockAllocator(n, BS)
-    alloc.alloc_blocks(1)  # the request's blocks do not start at 0
+    scratch = Request([7], 2)
+    reserve(scratch, alloc, 2)  # block 0: the request's blocks do not start at 0
     prompt_len = sum(chunks)
     req = Request(list(ids[:prompt_len]), len(ids))
     reserve(req, alloc, len(ids))
@@ -81,6 +106,7 @@ def our_step_logits(model, scales, ids: list[int], chunks: list[int], backend: s
         input_ids, meta = build_block_meta([req], [1], "cpu", backend)
         rows.append(model(input_ids, pool, meta, logits_for=torch.arange(1)))
         req.cur_len += 1
+    check_decode_hands_codes(model, pool, scales, scratch, backend)
     return torch.cat(rows).float()
 
 

@@ -1,6 +1,6 @@
 """L13's per-group block tables and the hybrid hit rule, checked against their contracts
 (lessons/L13-sliding-window.md §2): grow_tables covers every group in one all-or-nothing
-allocation and keeps what a table holds; free_behind_window gives back exactly the blocks no later
+allocation, keeps what a table holds and replaces the tables, never edits them in place; free_behind_window gives back exactly the blocks no later
 token reads; hybrid_hit_blocks finds the longest cached prefix whose next token finds everything it
 reads. What a token reads is listed here from L1's window_mask, not from the lesson's formulas."""
 
@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from l1_contiguous import Qwen3Config, window_mask
-from l2_paged import BlockAllocator, OutOfBlocksError, blocks_needed
+from l2_paged import BlockAllocator, blocks_needed
 from l8_prefix import PrefixBlockAllocator, chain_keys
 from l13_sliding_window import (NULL_BLOCK, HybridRequest, KvCacheGroup, blocks_at_peak, free_behind_window,
                                 group_key, grow_tables, hybrid_hit_blocks, kv_cache_groups, release_tables,
                                 window_block_bound)
+from probes_l13 import grow_watched
 
 pytestmark = pytest.mark.l13
 
@@ -42,40 +43,72 @@ def positions_read(window: int | None, position: int) -> set[int]:
 
 # ---------------------------------------------------------------- grow_tables
 
+def grow(req: HybridRequest, groups, alloc, num_positions: int, runs_out: bool = False) -> int:
+    """grow_tables(req, groups, alloc, num_positions), with its whole contract (§2.3) checked on this
+    call: every group's table covers the positions, entries already there (NULL_BLOCK ones
+    included) stay where they are, a table never shrinks, the new entries are fresh blocks from one
+    `alloc_blocks` call, `req.blocks` is every live entry, and the tables were replaced, never
+    edited in place (§2.2, pitfall 6: a shallow copy of the request taken before the call, what a
+    failed step's rollback restores, still holds the old ones). With `runs_out` the call must raise
+    OutOfBlocksError and leave the request and the allocator as they were. Returns the blocks taken."""
+    bs, tables_before = alloc.block_size, req.tables
+    old = [list(table) for table in tables_before]
+    before = old or [[] for _ in groups]
+    blocks, free = list(req.blocks), list(alloc.free_blocks)
+    seen = grow_watched(req, groups, alloc, num_positions)
+    case = f"grow_tables to {num_positions} positions (block size {bs}) from tables {old}"
+    assert seen["copy_tables"] == old, (f"{case}: grow_tables edited a table in place; a shallow copy of the "
+                                        f"request taken before now holds {seen['copy_tables']}")
+    if runs_out:
+        assert seen["raised"], f"{case}: {len(free)} blocks free, too few: OutOfBlocksError expected"
+        assert req.tables == tables_before and req.blocks == blocks and alloc.free_blocks == free, \
+            f"{case}: a failed grow_tables changed the request or the allocator"
+        return 0
+    assert not seen["raised"], f"{case}: OutOfBlocksError with {len(free)} blocks free"
+    calls, taken = seen["alloc_calls"], seen["taken"]
+    assert len(calls) <= 1 and sum(calls) == taken, \
+        f"{case}: alloc_blocks was called {len(calls)} times (for {calls} blocks): the contract is one call"
+    tables, want = [list(table) for table in req.tables], blocks_needed(num_positions, bs)
+    assert len(tables) == len(groups), f"{case}: {len(tables)} tables for {len(groups)} groups"
+    for g, (now, was) in enumerate(zip(tables, before)):
+        assert len(now) == max(len(was), want), \
+            f"{case}: group {g}'s table has {len(now)} entries; {max(len(was), want)} cover the positions"
+        assert now[:len(was)] == was, f"{case}: group {g}'s entries {was} became {now[:len(was)]}"
+    new = [b for now, was in zip(tables, before) for b in now[len(was):]]
+    assert len(set(new)) == len(new) and set(new) <= set(free), f"{case}: the new entries {new} are not free blocks"
+    assert taken == len(new), f"{case}: returned {taken}, took {len(new)} blocks"
+    assert sorted(req.blocks) == sorted(b for table in tables for b in table if b != NULL_BLOCK), \
+        f"{case}: req.blocks {req.blocks} is not the tables' live entries"
+    assert alloc.num_free == len(free) - len(new), f"{case}: {alloc.num_free} blocks free after taking {len(new)}"
+    return taken
+
+
 @pytest.mark.points(2)
 def test_grow_tables_covers_every_group_with_distinct_blocks():
     alloc, req = BlockAllocator(32, 4), request()
-    taken = grow_tables(req, [FULL, SLIDING], alloc, 10)
-    assert [len(t) for t in req.tables] == [3, 3] and taken == 6
-    assert sorted(live(req)) == sorted(req.blocks) and len(set(req.blocks)) == 6
-    assert alloc.num_used == 6
-    before = req.tables
-    assert grow_tables(req, [FULL, SLIDING], alloc, 17) == 4  # 5 blocks each now
-    assert all(t[:3] == b for t, b in zip(req.tables, before)), "grow_tables moved blocks a table already held"
+    assert grow(req, [FULL, SLIDING], alloc, 10) == 6  # 3 blocks each
+    assert grow(req, [FULL, SLIDING], alloc, 17) == 4  # 5 blocks each now
+    assert grow(req, [FULL, SLIDING], alloc, 20) == 0, "5 blocks of 4 cover positions 0..19"
+    assert grow(req, [FULL, SLIDING], alloc, 12) == 0, "a table never shrinks in grow_tables"
     assert [len(t) for t in req.tables] == [5, 5] and alloc.num_used == 10 and len(set(req.blocks)) == 10
-    assert grow_tables(req, [FULL, SLIDING], alloc, 12) == 0 and [len(t) for t in req.tables] == [5, 5], \
-        "a table never shrinks in grow_tables"
 
 
 @pytest.mark.points(3)
 def test_grow_tables_is_all_or_nothing_when_the_pool_runs_out():
     alloc, req = BlockAllocator(7, 4), request()
-    grow_tables(req, [FULL, SLIDING], alloc, 8)  # 2 + 2 blocks
-    tables, blocks, free = req.tables, list(req.blocks), list(alloc.free_blocks)
-    with pytest.raises(OutOfBlocksError):
-        grow_tables(req, [FULL, SLIDING], alloc, 16)  # 4 more needed, 3 free
-    assert req.tables == tables and req.blocks == blocks and alloc.free_blocks == free, \
-        "a failed grow_tables changed the request or the allocator"
+    grow(req, [FULL, SLIDING], alloc, 4)
+    grow(req, [FULL, SLIDING], alloc, 8)  # 2 + 2 blocks, 3 free
+    grow(req, [FULL, SLIDING], alloc, 16, runs_out=True)  # 4 more needed
 
 
 @pytest.mark.points(2)
 def test_grow_tables_keeps_null_entries_behind_the_window():
     alloc, req = BlockAllocator(32, 4), request()
-    grow_tables(req, [FULL, SLIDING], alloc, 15)
+    grow(req, [FULL, SLIDING], alloc, 15)
     req.cur_len = 14  # the next token (position 14) reads 9..14: blocks 0 and 1 of the sliding table go
     assert free_behind_window(req, [FULL, SLIDING], alloc) == 2
-    grow_tables(req, [FULL, SLIDING], alloc, 21)
-    assert req.tables[1][:2] == (NULL_BLOCK, NULL_BLOCK) and NULL_BLOCK not in req.tables[1][2:]
+    grow(req, [FULL, SLIDING], alloc, 24)
+    assert list(req.tables[1][:2]) == [NULL_BLOCK] * 2 and NULL_BLOCK not in req.tables[1][2:]
     assert len(req.tables[1]) == len(req.tables[0]) == 6, "entry i of every table is positions 4i..4i+3"
     assert NULL_BLOCK not in req.blocks and len(req.blocks) == 6 + 4 and alloc.num_used == 10
 
