@@ -333,9 +333,10 @@ def test_hf_comparison_notices_adjacent_pair_rope(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(m, "apply_rotary", adjacent_pairs)
     model = Qwen3ForCausalLM.from_pretrained(tiny_model_dir)
     prompt = random_prompt(20, model.config.vocab_size, seed=9)
+    cache = ContiguousKvCache(model.config, 24, torch.float32)
     with forward_lengths(Qwen3ForCausalLM) as lengths:
-        gen = greedy_generate(model, prompt, 4, stop_ids=[])
-    assert lengths == [20, 1, 1, 1]
+        gen = greedy_generate(model, prompt, 4, cache=cache, stop_ids=[])
+    assert lengths == [20, 1, 1, 1] and cache.length == 23
     ref = hf.hf_logits(hf.load_hf_model(str(tiny_model_dir)), prompt + gen.new_ids[:-1])
     assert (torch.stack(gen.logits) - ref).abs().max() > 1e-2
 

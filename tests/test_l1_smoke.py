@@ -6,18 +6,17 @@ import json
 
 import pytest
 
-from helpers import forward_lengths, run_script_json
-from l1_contiguous import Qwen3ForCausalLM
+from helpers import hf_ids, run_script_json
 
 pytestmark = [pytest.mark.l1]
 
 
+# The smoke script's contract: its report. That decode reads a cache (not a recompute) is graded by
+# tests/test_l1_model.py, from the K/V the cache holds after a run, which the judge compares with
+# HF's; the forward lengths a probe records here are the student's process's own account.
 @pytest.mark.points(3)
 def test_embedded_model_matches_hf_with_logits_within_1e_4(capsys):
-    with forward_lengths(Qwen3ForCausalLM) as lengths:
-        status, report, _ = run_script_json("l1_smoke", [], capsys)
-    # Our model ran each request: its prompt in one forward, then one token per decode step.
-    assert len(lengths) == 3 * 20 and lengths.count(1) == 3 * 19, lengths
+    status, report, _ = run_script_json("l1_smoke", [], capsys)
     assert status == 0 and report["match"] is True
     assert (report["lesson"], report["device"], report["dtype"]) == ("L1", "cpu", "float32")
     for row in report["requests"]:
@@ -30,14 +29,13 @@ def test_embedded_model_matches_hf_with_logits_within_1e_4(capsys):
 
 @pytest.mark.points(1)
 def test_prompt_ids_requests_run_one_each(tiny_model_dir, capsys):
-    with forward_lengths(Qwen3ForCausalLM) as lengths:
-        status, report, _ = run_script_json(
-            "l1_smoke", ["--model", str(tiny_model_dir), "--prompt-ids", "1,2,3", "--prompt-ids", "7",
-                         "--max-new-tokens", "5"], capsys)
+    status, report, _ = run_script_json(
+        "l1_smoke", ["--model", str(tiny_model_dir), "--prompt-ids", "1,2,3", "--prompt-ids", "7",
+                     "--max-new-tokens", "5"], capsys)
     assert status == 0
-    assert lengths == [3, 1, 1, 1, 1, 1, 1, 1, 1, 1], lengths  # prompt, 4 decodes; prompt [7], 4 decodes
     assert [r["prompt_ids"] for r in report["requests"]] == [[1, 2, 3], [7]]
-    assert all(len(r["ids"]) == 5 for r in report["requests"])
+    for row in report["requests"]:  # each request alone, as HF runs it (computed here, not reported)
+        assert row["ids"] == hf_ids(tiny_model_dir, row["prompt_ids"], 5)
 
 
 BAD_INPUT = {
