@@ -341,15 +341,21 @@ def worker_environment(python: str, user, work: Path) -> str:
     env = work / "worker-python"
     subprocess.run([interpreter, "-m", "venv", "--without-pip", str(env)], check=True, capture_output=True)
     (site_packages,) = env.glob("lib/python*/site-packages")
-    for name in facts["files"]:
-        source = Path(name)
-        home = next((Path(s) for s in facts["site"] if source.is_relative_to(s)), None)
-        if home is None or not source.is_file():  # a script in bin/, say: not needed to import
+    homes = tuple(os.path.join(s, "") for s in facts["site"])
+    made = set()
+    for source in facts["files"]:
+        home = next((h for h in homes if source.startswith(h)), None)
+        if home is None or not os.path.isfile(source):  # a script in bin/, say: not needed to import
             continue
-        target = site_packages / source.relative_to(home)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target = os.path.join(site_packages, source[len(home):])
+        folder = os.path.dirname(target)
+        if folder not in made:
+            os.makedirs(folder, exist_ok=True)
+            made.add(folder)
         try:
             os.link(source, target)
+        except FileExistsError:  # two distributions that list one file
+            pass
         except OSError:  # another file system
             shutil.copy2(source, target)
     for here, _, files in os.walk(env):
