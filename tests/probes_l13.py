@@ -1,7 +1,9 @@
 """L13's engine probes (see probes.py: under the judge, imported in the worker, beside the engine
 they watch). They record what the engine holds, as plain data, and judge nothing: the checks are
 the test's (tests/test_l13_engine.py), in the judge's process. One step and its record are one
-request to the worker, where reading every table from the judge would be hundreds."""
+request to the worker, where reading every table from the judge would be hundreds. `grow_watched`
+runs one grow_tables call for tests/test_l13_tables.py, watching from the worker what the judge
+cannot see: the allocator's calls, and a shallow copy of the request taken before."""
 
 from __future__ import annotations
 
