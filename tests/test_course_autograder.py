@@ -483,6 +483,8 @@ def test_attacks_on_the_machine_and_the_reports_are_contained_and_earn_nothing(b
     code = "\n".join(attack.replace("MARKER", repr(str(notes / name))) for name, attack in attacks.items())
     results = run_bundle(bundle, stub_with(bundle, tmp_path, code), tmp_path, memory_mb=4096)
     assert results["score"] == 0 and results["tests"], [t["name"] for t in results["tests"] if t["score"]]
+    judge, worker = USERS["AUTOGRADER_JUDGE_USER"], USERS["AUTOGRADER_WORKER_USER"]
+    assert f"the judged tests run as {judge} (uid" in results["log"] and f"the student's code as {worker}" in results["log"]
     daemon = int(note_of(notes / "daemon") or 0)
     assert daemon, "the daemon never started: " + results["log"][-2000:]
     assert not alive(daemon), "a process the student's code detached outlived the grading"

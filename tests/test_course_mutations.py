@@ -24,7 +24,7 @@ import pytest
 pytestmark = [pytest.mark.course]
 
 ROOT = Path(__file__).resolve().parent.parent
-SKIP = {".git", ".venv", ".venv-clients", "student-copy", "__pycache__", ".pytest_cache", ".hypothesis", "build", "notebooks"}
+SKIP = {".git", ".venv", ".venv-clients", ".venv-isolated", ".venv-iso", "student-copy", "__pycache__", ".pytest_cache", ".hypothesis", "build", "notebooks"}
 
 
 @dataclass(frozen=True)

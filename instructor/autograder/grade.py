@@ -209,10 +209,11 @@ def plant_canaries(tests_dir: Path, lesson: str) -> list[str]:
     for prefix in ("test_a", "test_z"):
         name = f"{prefix}{rng.randrange(16**10):010x}"
         value = rng.randrange(10**6)
-        (tests_dir / f"{name}.py").write_text(
-            "import pytest\n\n\n"
-            f"@pytest.mark.{lesson}\n@pytest.mark.points(1)\n"
-            f"def {name}_matches():\n    value = {value}\n    assert value == {value + 1}\n")
+        fd = os.open(tests_dir / f"{name}.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as canary:
+            canary.write("import pytest\n\n\n"
+                         f"@pytest.mark.{lesson}\n@pytest.mark.points(1)\n"
+                         f"def {name}_matches():\n    value = {value}\n    assert value == {value + 1}\n")
         nodeids.append(f"tests/{name}.py::{name}_matches")
     return nodeids
 
@@ -714,7 +715,7 @@ def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manife
     tests that meet it. Neither side runs as root."""
     part.canaries = plant_canaries(judge_tree / "tests", manifest["lessons"][0])
     for canary in part.canaries:
-        own_file(judge_tree / canary.split("::")[0], judge, 0o600)
+        for_the_judge_only(judge_tree / canary.split("::")[0], judge)
     home = worker_home(work, part, user)
     judge_home = worker_home(work, part, judge, prefix="judge-home")
     judge_home.chmod(0o711)  # the worker reads what tests make for it here (models), by path only
@@ -758,21 +759,12 @@ def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manife
         (judge_tree / canary.split("::")[0]).unlink(missing_ok=True)
 
 
-def own_file(path: Path, user, mode: int) -> None:
-    """`path` (made by this process, never by the worker) given to `user`, with `mode`."""
-    if user is not None:
-        os.chown(path, *user, follow_symlinks=False)
-    os.chmod(path, mode)
-
-
-def own_tree(tree: Path, user) -> None:
-    """The judge's tree given to the judge's user (a tree this process just copied from the bundle)."""
-    if user is None:
-        return
-    for here, folders, files in os.walk(tree):
-        os.chown(here, *user, follow_symlinks=False)
-        for name in [*folders, *files]:
-            os.chown(Path(here, name), *user, follow_symlinks=False)
+def for_the_judge_only(path: Path, judge) -> None:
+    """A file of the judge's tree (root's: made by this process) that the judge's user may read and
+    the worker may not: a hidden test, a canary."""
+    if judge is not None:
+        os.chown(path, 0, judge[1], follow_symlinks=False)
+    os.chmod(path, 0o640 if judge is not None else 0o600)
 
 
 def main() -> int:
@@ -828,8 +820,11 @@ def main() -> int:
     for file in hidden_files:
         (judge_tree / file).unlink(missing_ok=True)
     make_read_only(judge_tree)
-    own_tree(judge_tree, judge)  # the judge's pytest runs as its own user, never as root
-    os.chmod(judge_tree, 0o711)
+    # Root's: the judge's user lists and reads it through its group, the worker only opens a file in
+    # it by path (the model in assets/ a test names), never lists its top folder or writes in it.
+    if judge is not None:
+        os.chown(judge_tree, 0, judge[1])
+    os.chmod(judge_tree, 0o751)
     notes = [f"graded: {p} (from {found[p].relative_to(submission)})" for p in found]
     notes += [f"not found in the submission: {p} (the handout's stub is graded in its place)" for p in missing]
     notes += [f"skipped from the upload: {s}" for s in skipped]
@@ -839,6 +834,9 @@ def main() -> int:
         print(f"FLAG for the instructor: {flag}")
     if user is None:
         print("note: the worker runs as the current user, with no privilege separation")
+    else:
+        print(f"the judged tests run as {JUDGE_USER} (uid {judge[0]}), the student's code as {WORKER_USER} "
+              f"(uid {user[0]}), neither as root")
     print(f"calibration: this machine runs {slowdown:.2f}x slower than the idle reference; "
           f"each test may take {test_timeout:.0f} s")
 
@@ -852,7 +850,7 @@ def main() -> int:
                 for file in part.files:
                     shutil.copy(hidden_store / Path(file).name, (judge_tree if part.judged else copy) / file)
                     if part.judged:
-                        own_file(judge_tree / file, judge, 0o600)
+                        for_the_judge_only(judge_tree / file, judge)
                     else:
                         os.chmod(copy / file, 0o644)
             remaining = max(1.0, deadline - time.monotonic())
