@@ -123,3 +123,13 @@ def test_the_set_up_paths_call_the_installer():
         assert command in ci, f"{command!r} (the README's) is not a line of .ci/run"
     assert ci.index("make setup") < ci.index("make test")
     assert "make run VENV=.venv-isolated ISOLATED=1" in ci
+
+
+def test_make_run_runs_the_smoke_scripts_in_lesson_order():
+    """`make run` went l10, l11, ..., l14, l1, l2 (the shell's sort); lesson order is numeric."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = next(line for line in makefile.splitlines() if "scripts/l*_smoke.py" in line and "for s in" in line)
+    listing = recipe.split("$$(", 1)[1].split(")", 1)[0]  # the command that lists the scripts
+    run = subprocess.run(["sh", "-c", listing], cwd=ROOT, capture_output=True, text=True, check=True)
+    lessons = [int(Path(p).name[1:].split("_")[0]) for p in run.stdout.split()]
+    assert lessons == sorted(lessons) and len(lessons) >= 10, lessons
