@@ -962,7 +962,13 @@ class RemoteObject:
 
     def __contains__(self, item):
         value = self._plain()
-        return any(v == item for v in (self if value is _NO_VALUE else value))
+        if value is not _NO_VALUE:
+            return item in value
+        # A lesson object (a tier): its own __contains__ answers, and only a bool may come back.
+        answer = self._endpoint.request("operator", id=self._handle, name="contains", args=[item])
+        if type(answer) is not bool:
+            raise JudgeError(f"`in` answered with a {type(answer).__name__}, not a bool")
+        return answer
 
     def __len__(self):
         value = self._plain()

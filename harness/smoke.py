@@ -177,7 +177,12 @@ def load_tokenizer(model_dir: Path):
     if not any((model_dir / name).exists() or (model_dir / name).is_symlink()
                for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:  # the grader's worker: the same tokenizer without transformers (L11's server's)
+        from .text_tokenizer import load_tokenizer as load_without_transformers
+
+        return load_without_transformers(model_dir)
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))

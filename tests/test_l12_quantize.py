@@ -6,15 +6,13 @@ changes and a second process, the calibration pool against the K and V the model
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from l1_contiguous import InputError
 from l12_quantized_kv import FP8_E4M3, INT8, INT8_NAN_CODE, KvScales, cache_tag, dequantize, quantize, scales_from_amax
+from probes_l12 import tag_in_another_process
 
 pytestmark = [pytest.mark.l12]
 
@@ -187,15 +185,10 @@ def test_the_cache_tag_is_the_same_in_another_process():
     k, v = _scales(3)
     # `import harness` first: judged (KVCOURSE_JUDGE), that process is a judge too, and the tag
     # comes from the student's code in its own worker.
-    code = ("import harness, torch, sys; from l12_quantized_kv import FP8_E4M3, cache_tag; "
-            "g = torch.Generator().manual_seed(3); "
-            "k = [torch.rand(2, generator=g) + 0.01 for _ in range(3)]; v = [torch.rand(2, generator=g) + 0.01 for _ in range(3)]; "
-            "sys.stdout.write(cache_tag(FP8_E4M3, k, v).hex())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin", "PYTHONPATH": ".",
-                              **{k: v for k, v in os.environ.items() if k == "KVCOURSE_JUDGE"}})
-    assert out.returncode == 0, out.stderr[-500:]
-    assert out.stdout == cache_tag(FP8_E4M3, k, v).hex()
+    # The other process runs where the student's code runs (under the judge: started by the worker).
+    out = tag_in_another_process(seed=3, hash_seed="12345")
+    assert out["status"] == 0, out["stderr"][-500:]
+    assert out["stdout"] == cache_tag(FP8_E4M3, k, v).hex()
 
 
 def test_kv_scales_tag_is_the_cache_tag():
