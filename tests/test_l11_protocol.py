@@ -597,8 +597,10 @@ def test_usage_is_null_in_every_chunk_but_the_last_or_running_when_asked(served)
 
     plain = chunks({"include_usage": True})
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 4
-    running = chunks({"continuous_usage_stats": True})
-    assert [c["usage"]["completion_tokens"] for c in running] == [1, 2, 3, 4]
+    running = [c["usage"]["completion_tokens"] for c in chunks({"continuous_usage_stats": True})]
+    # A running count in every chunk. Tokens that arrive while the reader lags share a chunk (as in
+    # vLLM, whose output collector merges them), so the count may step by more than one.
+    assert running == sorted(running) and running[0] >= 1 and running[-1] == 4, running
 
 
 def test_a_client_gone_before_its_body_arrived_is_no_traceback(served, caplog):

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from helpers import hf_ids, run_script_json
+from harness.grading import JUDGE
+from helpers import forward_lengths, hf_ids, run_script_json
+from l1_contiguous import Qwen3ForCausalLM
 
 pytestmark = [pytest.mark.l1]
 
@@ -29,10 +31,14 @@ def test_embedded_model_matches_hf_with_logits_within_1e_4(capsys):
 
 @pytest.mark.points(1)
 def test_prompt_ids_requests_run_one_each(tiny_model_dir, capsys):
-    status, report, _ = run_script_json(
-        "l1_smoke", ["--model", str(tiny_model_dir), "--prompt-ids", "1,2,3", "--prompt-ids", "7",
-                     "--max-new-tokens", "5"], capsys)
+    with forward_lengths(Qwen3ForCausalLM) as lengths:
+        status, report, _ = run_script_json(
+            "l1_smoke", ["--model", str(tiny_model_dir), "--prompt-ids", "1,2,3", "--prompt-ids", "7",
+                         "--max-new-tokens", "5"], capsys)
     assert status == 0
+    if JUDGE is None:  # in one process the probe sees our model run (HF's generate would not show);
+        # judged, it records what the student's process tells it, and HF is not there to call
+        assert lengths == [3, 1, 1, 1, 1, 1, 1, 1, 1, 1], lengths  # prompt, 4 decodes; prompt [7], 4 decodes
     assert [r["prompt_ids"] for r in report["requests"]] == [[1, 2, 3], [7]]
     for row in report["requests"]:  # each request alone, as HF runs it (computed here, not reported)
         assert row["ids"] == hf_ids(tiny_model_dir, row["prompt_ids"], 5)
