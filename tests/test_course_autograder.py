@@ -608,48 +608,45 @@ def test_a_path_the_students_code_names_is_never_read_for_it(bundle, tmp_path):
     assert first_line not in everything and "leak.py" not in everything, "the planted path was read"
 
 
+def earned_with_greedy_generate(bundle: Path, tmp_path: Path, bodies: dict[str, str]) -> dict[str, dict]:
+    """{name: {test: score earned}} of L1's tests with greedy_generate's fenced region replaced by
+    each body in turn, the rest of L1 finished."""
+    text = (ROOT / "l1_contiguous" / "generate.py").read_text()
+    start, end = text.index("    # BEGIN SOLUTION\n"), text.index("    # END SOLUTION\n")
+    earned = {}
+    for name, body in bodies.items():
+        edits = {"l1_contiguous/generate.py": (text[start:end], "    # BEGIN SOLUTION\n" + body)}
+        results = run_bundle(bundle, submit(tmp_path / name, ROOT, edits=edits), tmp_path / name,
+                             select="tests/test_l1_model.py tests/test_l1_smoke.py")
+        assert results["tests"] and "== judged tests:" in results["log"]
+        earned[name] = {t["name"]: t["score"] for t in results["tests"] if t["score"] > 0}
+    return earned
+
+
 def test_greedy_generate_through_transformers_earns_what_the_stub_under_it_earns(bundle, tmp_path):
     """The HF shortcut: L1 done but greedy_generate answered by transformers' own generate, in the
     worker, where the student's code runs. It earns no test that a stub greedy_generate does not."""
     from test_course_grading import HF_GENERATE, STUB
 
-    text = (ROOT / "l1_contiguous" / "generate.py").read_text()
-    start, end = text.index("    # BEGIN SOLUTION\n"), text.index("    # END SOLUTION\n")
-    select = "tests/test_l1_model.py tests/test_l1_smoke.py"
-    earned = {}
-    for name, body in (("stub", STUB), ("hf", HF_GENERATE)):
-        edits = {"l1_contiguous/generate.py": (text[start:end], "    # BEGIN SOLUTION\n" + body)}
-        results = run_bundle(bundle, submit(tmp_path / name, ROOT, edits=edits), tmp_path / name, select=select)
-        assert results["tests"] and "== judged tests:" in results["log"]
-        earned[name] = {t["name"] for t in results["tests"] if t["score"] > 0}
+    earned = earned_with_greedy_generate(bundle, tmp_path, {"stub": STUB, "hf": HF_GENERATE})
     assert earned["stub"], "a stub greedy_generate under a finished L1 should still earn its other functions' tests"
-    gained = sorted(earned["hf"] - earned["stub"])
+    gained = sorted(set(earned["hf"]) - set(earned["stub"]))
     assert not gained, f"these pay for a greedy_generate that does not use the cache: {gained}"
 
 
-# Issue 52: the cache-less decode of RECOMPUTE, telling torch's global forward hooks (the probe that
-# watches forward lengths lives in the worker) the lengths a cached run would show.
-FORGED_LENGTHS = """\
-    import torch.nn.modules.module as _module
-    hooks = dict(_module._global_forward_pre_hooks)
-    seq, fake = list(prompt_ids), len(prompt_ids)  # the cheat: no cache, and the probes told otherwise
-    while len(out.new_ids) < max_new_tokens:
-        _module._global_forward_pre_hooks.clear()
-        logits = forward_step(model, ContiguousKvCache(model.config, len(seq), model.dtype, model.device), seq)
-        _module._global_forward_pre_hooks.update(hooks)
-        for hook in hooks.values():
-            hook(model, (torch.zeros(1, fake, dtype=torch.long),))
-        fake = 1
-        if out.logits:
-            out.logits.append(logits[-1].float())
-        else:
-            out.logits.extend(logits.float() if keep_prompt_logits else logits[-1:].float())
-        token = int(out.logits[-1].argmax())
-        out.new_ids.append(token)
-        seq.append(token)
-        if token in stop_ids:
-            break
-"""
+def forged_lengths(recompute: str) -> str:
+    """Issue 52: the cache-less decode `recompute`, telling torch's global forward hooks (the probe
+    that watches forward lengths lives in the worker) the lengths a cached run would show."""
+    forward = "        logits = forward_step(model, ContiguousKvCache(model.config, len(seq), model.dtype, model.device), seq)\n"
+    assert forward in recompute
+    forged = ("        _module._global_forward_pre_hooks.clear()\n" + forward
+              + "        _module._global_forward_pre_hooks.update(_hooks)\n"
+              + "        for _hook in _hooks.values():\n"
+              + "            _hook(model, (torch.zeros(1, _fake, dtype=torch.long),))\n"
+              + "        _fake = 1\n")
+    return ("    import torch.nn.modules.module as _module\n"
+            "    _hooks, _fake = dict(_module._global_forward_pre_hooks), len(prompt_ids)\n"
+            + recompute.replace(forward, forged))
 
 
 def test_forging_what_a_probe_sees_earns_nothing_over_the_same_code_not_forging(bundle, tmp_path):
@@ -658,20 +655,11 @@ def test_forging_what_a_probe_sees_earns_nothing_over_the_same_code_not_forging(
     K/V the cache holds after the run against HF's, in the judge: forging the probe gains nothing."""
     from test_course_grading import RECOMPUTE
 
-    text = (ROOT / "l1_contiguous" / "generate.py").read_text()
-    start, end = text.index("    # BEGIN SOLUTION\n"), text.index("    # END SOLUTION\n")
-    select = "tests/test_l1_model.py tests/test_l1_smoke.py"
-    earned = {}
-    for name, body in (("honest", RECOMPUTE), ("forged", FORGED_LENGTHS)):
-        edits = {"l1_contiguous/generate.py": (text[start:end], "    # BEGIN SOLUTION\n" + body)}
-        results = run_bundle(bundle, submit(tmp_path / name, ROOT, edits=edits), tmp_path / name, select=select)
-        assert results["tests"] and "== judged tests:" in results["log"]
-        earned[name] = {t["name"]: t["score"] for t in results["tests"] if t["score"] > 0}
+    earned = earned_with_greedy_generate(bundle, tmp_path, {"honest": RECOMPUTE, "forged": forged_lengths(RECOMPUTE)})
     gained = sorted(set(earned["forged"]) - set(earned["honest"]))
     assert not gained, f"these pay for forged forward lengths: {gained}"
-    total = sum(t["max_score"] for t in results["tests"])
-    print(f"cache-less greedy_generate: {sum(earned['honest'].values()):g}/{total:g} honest, "
-          f"{sum(earned['forged'].values()):g}/{total:g} with the probe forged")
+    print(f"cache-less greedy_generate: {sum(earned['honest'].values()):g} points honest, "
+          f"{sum(earned['forged'].values()):g} with the probe forged")
 
 
 def load_script_at(path: Path):
