@@ -8,6 +8,7 @@ the slow variants grade everything."""
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import os
@@ -87,6 +88,24 @@ _CHECKOUT = hashlib.sha1(str(ROOT).encode()).hexdigest()[:8]
 USERS = {"AUTOGRADER_WORKER_USER": f"ag-worker-{_CHECKOUT}", "AUTOGRADER_JUDGE_USER": f"ag-judge-{_CHECKOUT}"}
 
 
+@functools.lru_cache(maxsize=None)
+def worker_python() -> str:
+    """The worker's environment (grade.py's worker_environment), made once for this test process
+    and handed to every grading (AUTOGRADER_WORKER_PYTHON) instead of made again by each: about
+    10 s a grading. Empty when not root (the worker then runs the grader's python)."""
+    if os.geteuid() != 0:
+        return ""
+    grade = load_script_at(ROOT / "instructor" / "autograder" / "grade.py")
+    grade.WORKER_USER = USERS["AUTOGRADER_WORKER_USER"]
+    folder = Path(tempfile.mkdtemp(prefix="autograder-worker-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    folder.chmod(0o711)
+    try:
+        return grade.worker_environment(sys.executable, grade.worker_user(), folder)
+    except grade.Refused:
+        return ""  # each grading then says why, and run_bundle skips with that reason
+
+
 def run_bundle(root: Path, submission: Path, tmp_path: Path, select: str | None = FAST, **settings) -> dict:
     """results.json of run_autograder on `submission`, plus its "log" (stdout) and "seconds".
     Skipped, with the grader's reason, where the grader refuses to grade on this machine (as root,
@@ -94,6 +113,7 @@ def run_bundle(root: Path, submission: Path, tmp_path: Path, select: str | None 
     results = tmp_path / "results" / "results.json"
     env = {**os.environ, **USERS, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SUBMISSION": str(submission),
            "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": sys.executable, "AUTOGRADER_SELECT": select or "",
+           "AUTOGRADER_WORKER_PYTHON": worker_python(),
            **{f"AUTOGRADER_{k.upper()}": str(v) for k, v in settings.items()}}
     env.pop("PYTHONPATH", None)  # the scratch copy must be what is imported, as on Gradescope
     start = time.monotonic()

@@ -58,7 +58,9 @@ made from it by `worker_environment`), AUTOGRADER_TIME_LIMIT (seconds for all pa
 together, default 2280: below Gradescope's longest assignment timeout, 40 minutes, so that what
 finished is written before the platform stops the run), AUTOGRADER_TEST_TIMEOUT (seconds per
 test on an idle machine, default 180), AUTOGRADER_MEMORY_MB (address space per worker process,
-default 8192), AUTOGRADER_SELECT (node-id prefixes: grade only those tests, to try the bundle on
+default 8192), AUTOGRADER_WORKER_PYTHON (a worker environment `worker_environment` made before, for
+this worker user: reused instead of made again; the instructor's setting, never the student's),
+AUTOGRADER_SELECT (node-id prefixes: grade only those tests, to try the bundle on
 a part), AUTOGRADER_PYTEST_ARGS,
 AUTOGRADER_WORKER_USER (default autograder-student) and AUTOGRADER_JUDGE_USER (default
 autograder-judge); when not run as root both run as the current user, without that separation,
@@ -782,7 +784,7 @@ def main() -> int:
     os.chmod(work, 0o711)  # the worker enters it (its python, its home, the copy), never lists or writes it
     try:
         user, judge = worker_user(), judge_user()
-        worker_py = worker_environment(python, user, work)
+        worker_py = os.environ.get("AUTOGRADER_WORKER_PYTHON") or worker_environment(python, user, work)
         judge_py = python_for(python, judge, work, "judge-python")
     except Refused as exc:
         print(f"FLAG for the instructor: nothing was graded: {exc}")
