@@ -38,8 +38,8 @@ code produced, as any reply is; the judge's own arithmetic (expected ids, finger
 in the judge.
 
 Status (2026-11-27): the Gradescope runner (instructor/autograder/grade.py) judges every lesson's
-tests (JUDGED_LESSONS there; notebooks are not graded there); measured judged on the solution: L1-L3's graded
-tests 115/115, L10 19/19 (100 s; 13 s in one process), L12 22/22; L2's allocator file 4 s (1.4 s in
+tests (JUDGED_LESSONS there; notebooks are not graded there); measured judged on the solution:
+L1-L3's graded tests 115/115, L10 19/19 (100 s; 13 s in one process), L12 22/22; L2's allocator file 4 s (1.4 s in
 one process); L5 through the bundle 184/184 points (its four files 442 s; the 300-request soaks
 check only the live requests each step, see tests/test_l5_invariants.py); L8's five files 124/124
 points in 118 s (its property tests run half their random examples judged: tests/helpers.py
@@ -48,8 +48,8 @@ tests/probes_l13.py); a fresh student copy 0/163 for L8 and L13 together; L11's 
 in 23 s (the server, its engine thread and what changes that thread run in the worker:
 tests/probes_l11.py; the HTTP clients and every check in the judge), a fresh copy 0/26; L14's graded
 files 42/42 in 19 s (the stand-in requests, the connectors that watch a step, the folders the tiers
-write and the two-process runs are made in the worker: tests/probes_l14.py), a fresh copy 0/42. A test interrupted while the worker
-runs (its time limit) stops the worker, and pytest stops after that test (Endpoint.stop): the runner
+write and the two-process runs are made in the worker: tests/probes_l14.py), a fresh copy 0/42. A
+test interrupted while the worker runs (its time limit) stops the worker, and pytest stops after that test (Endpoint.stop): the runner
 goes on with the remaining tests and a new worker.
 """
 
@@ -854,8 +854,7 @@ def plain_copy(value, depth: int = 0):
     copy = lambda v: plain_copy(v, depth + 1)  # noqa: E731
     if isinstance(value, enum.Enum):
         raise TypeError("an enum member is compared by identity")
-    for base, read in ((bool, bool.__bool__), (int, int.__int__), (float, float.__float__), (str, str.__str__),
-                       (bytes, bytes.__bytes__)):
+    for base, read in ((int, int.__int__), (float, float.__float__), (str, str.__str__), (bytes, bytes.__bytes__)):
         if isinstance(value, base):
             return read(value)
     if isinstance(value, dict):
@@ -1331,7 +1330,7 @@ def install_from_environment() -> Endpoint | None:
         return ENDPOINT
     if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
         raise JudgeError(f"{ENV} must be a JSON list of strings (the command that starts the worker) or an "
-                         'object {"fds": [read, write], "pid": worker} (a worker already started)')
+                         'object {"fds": [read, write]} (the pipes of a worker already started)')
     ENDPOINT = install(command, set(lesson_packages()), prefixes=("probes",))
     return ENDPOINT
 

@@ -265,6 +265,18 @@ def can_run_as(user: tuple[int, int], python: str, code: str = "import pytest, t
     return probe.returncode == 0
 
 
+def runnable_interpreter(user, candidates: list[str], version: str) -> str:
+    """The first of `candidates` (then the system's python `version`) that `user` can run; Refused
+    when none is (a python under /root, where pyenv and conda put root's: mode 0700)."""
+    system = [f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
+    found = next((c for c in [*candidates, *system] if user is None or can_run_as(user, c, "import venv")), None)
+    if found is None:
+        raise Refused(f"the user {user[0]} cannot run {candidates[0]} (it lies in a folder that user cannot enter, "
+                      f"such as /root), and there is no /usr/bin/python{version} it can run in its place; give "
+                      "AUTOGRADER_PYTHON a python outside /root (setup.sh's /autograder/venv is one)")
+    return found
+
+
 def python_for(python: str, user, work: Path, name: str) -> str:
     """The python `user` runs: `python` where that user can run it. Otherwise (as root with a python
     under /root, where pyenv and conda put root's: mode 0700) a venv made in `work` from a system
@@ -277,12 +289,7 @@ def python_for(python: str, user, work: Path, name: str) -> str:
                              "[p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))]]))"],
         capture_output=True, text=True, check=True).stdout)
     version, site_dirs = facts[0], [d for d in facts[1] if os.path.isdir(d)]
-    system = next((p for p in (f"/usr/bin/python{version}", f"/usr/local/bin/python{version}")
-                   if can_run_as(user, p, "import venv")), None)
-    why = f"the user {user[0]} cannot run {python} (it lies in a folder that user cannot enter, such as /root)"
-    if system is None:
-        raise Refused(f"{why}, and there is no /usr/bin/python{version} it can run in its place; give "
-                      "AUTOGRADER_PYTHON a python outside /root (setup.sh's /autograder/venv is one)")
+    system = runnable_interpreter(user, [], version)
     env = work / name
     subprocess.run([system, "-m", "venv", "--without-pip", str(env)], check=True, capture_output=True)
     (site_packages,) = env.glob("lib/python*/site-packages")
@@ -291,7 +298,7 @@ def python_for(python: str, user, work: Path, name: str) -> str:
         os.chmod(here, 0o755)
     readable = f"import os; [os.listdir(d) for d in {site_dirs!r}]; import pytest, torch"
     if not can_run_as(user, str(env / "bin" / "python"), readable):
-        raise Refused(f"{why}, and it cannot read that python's packages ({', '.join(site_dirs)}) either; make "
+        raise Refused(f"the user {user[0]} cannot run {python}, and it cannot read that python's packages ({', '.join(site_dirs)}) either; make "
                       "the environment where other users can read it (`make setup` makes a self-contained .venv "
                       "unless the system's python has torch already)")
     return str(env / "bin" / "python")
@@ -335,12 +342,7 @@ def worker_environment(python: str, user, work: Path) -> str:
         capture_output=True, text=True, check=True).stdout)
     base = subprocess.run([python, "-I", "-c", "import sys; print(getattr(sys, '_base_executable', sys.executable))"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    candidates = [base, f"/usr/bin/python{facts['version']}", f"/usr/local/bin/python{facts['version']}"]
-    interpreter = next((c for c in candidates if user is None or can_run_as(user, c, "import venv")), None)
-    if interpreter is None:
-        raise Refused(f"the worker's user cannot run {base} (under a folder it cannot enter, such as /root) and "
-                      f"there is no /usr/bin/python{facts['version']} in its place; give AUTOGRADER_PYTHON a python "
-                      "outside /root (setup.sh's /autograder/venv is one)")
+    interpreter = runnable_interpreter(user, [base], facts["version"])
     env = work / "worker-python"
     subprocess.run([interpreter, "-m", "venv", "--without-pip", str(env)], check=True, capture_output=True)
     (site_packages,) = env.glob("lib/python*/site-packages")
@@ -736,7 +738,7 @@ def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manife
             break
         ran_before = len(part.outcomes)
         worker, worker_log, *fds = start_judged_worker(settings)
-        env["KVCOURSE_JUDGE"] = json.dumps({"fds": fds, "pid": worker.pid})
+        env["KVCOURSE_JUDGE"] = json.dumps({"fds": fds})
         try:
             log, lines, part.status = run_worker(
                 pytest_command(python, test_timeout, judge_home / f"pytest-{round_}", manifest, targets), judge_tree,
