@@ -10,7 +10,6 @@ wrong values.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -21,17 +20,12 @@ from l2_paged.allocator import check_pool_shape
 from l5_eviction import WorkItem
 from l5_eviction.engine import available_host_memory
 from l5_eviction.fast_linear import use_packed_linears
-from l8_prefix import PrefixEngine
+from l8_prefix import PrefixEngine, tagged_key
 from l8_prefix.prefix_allocator import PrefixBlockAllocator
 
 from .attention import QuantizedAttention
 from .pool import CalibrationPool, QuantizedKvPool
 from .quantize import KvFormat, KvScales, scales_from_amax
-
-
-def tagged_key(tag: bytes, key: bytes) -> bytes:
-    """An L8 block key inside one cache tag's namespace."""
-    return hashlib.blake2b(tag + key, digest_size=16).digest()
 
 
 class TaggedPrefixAllocator(PrefixBlockAllocator):

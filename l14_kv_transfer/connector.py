@@ -16,17 +16,23 @@ One step, in order (the names are vLLM's KV connector's, whose shape this follow
 
 Loads here are synchronous copies, so "start" returns with the blocks in place; an engine that
 overlaps them with the forward waits per layer before reading it (vLLM's `wait_for_layer_load`).
+A load that fails (a block gone, cut or altered) is not an error of the step: `take_load_failures`
+names each request's first position that must be computed after all, and the engine recomputes
+from there (vLLM's `get_block_ids_with_load_errors`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 import torch
 
-from l8_prefix import chain_keys
+from l8_prefix import chain_keys, tagged_key
 
-from .tiers import TieredStore
+from .tiers import BlockLoadError, TieredStore
 
 MODES = ("write-through", "write-back")
 
@@ -36,6 +42,7 @@ class LoadJob:
     request_id: int
     blocks: list[int]  # the request's own block ids, to be filled ...
     keys: list[bytes]  # ... with the blocks stored under these keys, in order
+    first_position: int = 0  # the token position the first of them starts at
 
 
 @dataclass
@@ -53,6 +60,8 @@ class ConnectorCounters:
     bytes_loaded: int = 0
     blocks_saved: int = 0
     bytes_saved: int = 0
+    blocks_failed: int = 0  # loads that failed: those blocks were computed instead
+    save_errors: int = 0  # saves the store could not take (a full disk): the block is just not kept
 
 
 class KvConnector:
@@ -85,8 +94,31 @@ class KvConnector:
     def get_finished(self) -> set[int]:
         return set()
 
+    def take_load_failures(self) -> dict[int, int]:
+        """Request id -> the first position whose K/V this step's loads could not provide; cleared."""
+        return {}
+
     def on_device_evict(self, block: int, key: bytes, pool) -> None:
         """The pool is about to reuse a cached free block (write-back saves it here)."""
+
+
+def kv_identity(model, block_size: int, dtype: torch.dtype, cache_tag: bytes = b"") -> bytes:
+    """What a block's bytes are K/V of: the model (its config, and its weights' sum and sum of
+    squares: any change of weights changes them, and packing a layer's matrices does not), the
+    pool's dtype and block size, and a cache format's tag (L12's scales). A store shared by
+    several pools serves a block only to a pool of equal identity (`OffloadConnector.store_key`)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        sums = [(p.double().sum().item(), p.double().square().sum().item()) for p in model.parameters()]
+    h.update(repr([round(sum(s for s, _ in sums), 6), round(sum(q for _, q in sums), 6)]).encode())
+    h.update(f"{dtype} {block_size}".encode() + cache_tag)
+    return h.digest()
+
+
+def block_shape(cfg, block_size: int) -> tuple[int, ...]:
+    """The shape of one block as read_block gives it: [2, num_layers, block_size, H_kv, D]."""
+    return (2, cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
 
 
 def read_block(pool, block: int) -> torch.Tensor:
@@ -108,12 +140,25 @@ class OffloadConnector(KvConnector):
     write-back: only when the device pool evicts it (cheaper while it stays, lost if the process
     ends)."""
 
-    def __init__(self, store: TieredStore, block_size: int, mode: str = "write-through"):
+    def __init__(self, store: TieredStore, block_size: int, mode: str = "write-through", identity: bytes = b"",
+                 block_shape: tuple | None = None, dtype: torch.dtype | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown offload mode {mode!r}; choose {' or '.join(MODES)}")
         super().__init__()
         self.store, self.block_size, self.mode = store, block_size, mode
+        self.identity = identity  # kv_identity(...): the model and cache format the K/V belongs to
+        self.block_shape, self.dtype = block_shape, dtype  # what a loaded block must be (None: unchecked)
         self.pending_loads: dict[int, LoadJob] = {}  # promised by update_state_after_alloc
+        self.load_failures: dict[int, int] = {}  # request id -> first position to compute after all
+
+    def store_key(self, key: bytes) -> bytes:
+        """An L8 block key as the store knows it: inside this connector's identity, so a block of
+        another model, dtype, block size or cache tag never matches."""
+        return tagged_key(self.identity, key) if self.identity else key
+
+    def store_keys(self, tokens: list[int]) -> list[bytes]:
+        """The store's keys of every full block of `tokens`."""
+        return [self.store_key(k) for k in chain_keys(tokens, self.block_size)]
 
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> int:
         """Prompt tokens past the `num_computed_tokens` the device already holds whose blocks the
@@ -123,7 +168,7 @@ class OffloadConnector(KvConnector):
         bs = self.block_size
         if num_computed_tokens % bs:
             return 0
-        keys = chain_keys(req.tokens[:-1], bs)
+        keys = self.store_keys(req.tokens[:-1])
         return len(self.store.match(keys[num_computed_tokens // bs:])) * bs
         # END SOLUTION
 
@@ -135,8 +180,8 @@ class OffloadConnector(KvConnector):
         bs = self.block_size
         end = req.cur_len // bs  # the loaded run ends where the device's hits + external end
         first = end - num_external_tokens // bs
-        keys = chain_keys(req.tokens[:end * bs], bs)[first:]
-        self.pending_loads[req.request_id] = LoadJob(req.request_id, req.blocks[first:end], keys)
+        keys = self.store_keys(req.tokens[:end * bs])[first:]
+        self.pending_loads[req.request_id] = LoadJob(req.request_id, req.blocks[first:end], keys, first * bs)
 
     def build_connector_meta(self, plan) -> ConnectorMeta:
         """This step's work: the loads promised for requests in the plan, and (write-through) a save
@@ -153,19 +198,41 @@ class OffloadConnector(KvConnector):
             first, end = req.cur_len // bs, (req.cur_len + n) // bs  # blocks full after this step
             if end <= first:
                 continue
-            keys = chain_keys(req.tokens[:end * bs], bs)
+            keys = self.store_keys(req.tokens[:end * bs])
             meta.saves += [(req.blocks[i], keys[i]) for i in range(first, end) if keys[i] not in self.store]
         return meta
         # END SOLUTION
 
     def start_load_kv(self, meta: ConnectorMeta, pool) -> None:
+        """Fill each job's blocks in order; at the first block that cannot be loaded, stop that
+        job: it and the blocks after it are computed instead (take_load_failures)."""
         for job in meta.loads:
-            for block, key in zip(job.blocks, job.keys):
-                kv = self.store.load(key)
+            for i, (block, key) in enumerate(zip(job.blocks, job.keys)):
+                kv = self._load(key)
+                if kv is None:
+                    self.load_failures[job.request_id] = job.first_position + i * self.block_size
+                    self.counters.blocks_failed += len(job.blocks) - i
+                    break
                 write_block(pool, block, kv)
                 self.counters.blocks_loaded += 1
                 self.counters.bytes_loaded += kv.numel() * kv.element_size()
-            self.counters.tokens_loaded += len(job.blocks) * self.block_size
+                self.counters.tokens_loaded += self.block_size
+
+    def _load(self, key: bytes) -> torch.Tensor | None:
+        """The stored block, or None if it cannot be served into this pool: gone, corrupt, or of
+        another shape or dtype (`copy_` would convert it silently)."""
+        try:
+            kv = self.store.load(key)
+        except (KeyError, BlockLoadError):
+            return None
+        if (self.block_shape is not None and tuple(kv.shape) != tuple(self.block_shape)) or \
+                (self.dtype is not None and kv.dtype != self.dtype):
+            return None
+        return kv
+
+    def take_load_failures(self) -> dict[int, int]:
+        failures, self.load_failures = self.load_failures, {}
+        return failures
 
     def wait_for_save(self, meta: ConnectorMeta, pool) -> None:
         for block, key in meta.saves:
@@ -173,12 +240,16 @@ class OffloadConnector(KvConnector):
 
     def on_device_evict(self, block: int, key: bytes, pool) -> None:
         if self.mode == "write-back":
-            self._save(block, key, pool)
+            self._save(block, self.store_key(key), pool)
 
     def _save(self, block: int, key: bytes, pool) -> None:
         if key in self.store:
             return
         kv = read_block(pool, block)
-        self.store.save(key, kv)
+        try:
+            self.store.save(key, kv)
+        except (OSError, BlockLoadError):  # a full disk, a file another process deleted: not kept, the step goes on
+            self.counters.save_errors += 1
+            return
         self.counters.blocks_saved += 1
         self.counters.bytes_saved += kv.numel() * kv.element_size()

@@ -5,7 +5,9 @@ Admission: L8 shares the device's cached run of full blocks; then the connector 
   blocks are reserved for them as for computed ones, and the load is promised.
 A step: the connector's metadata for the plan; loads into the promised blocks; the forward; the
   saves. The loads write only into blocks the request was handed this step, and the saves only
-  copy out, so L5's rollback rule (the pool is not saved) still holds.
+  copy out, so L5's rollback rule (the pool is not saved) still holds. A load that fails (a bad or
+  vanished block) makes its request compute from the first block it lacks, in the same forward:
+  its blocks already cover those positions, so nothing else changes and no other request notices.
 Finish: a connector may keep a finished request's blocks (a send in flight) until it reports the
   request done; only then are they freed.
 """
@@ -20,7 +22,7 @@ from l5_eviction import make_engine
 from l5_eviction.lifecycle import State
 from l8_prefix import PrefixBlockAllocator, PrefixEngine, PrefixRequest, PrefixScheduler
 
-from .connector import MODES, KvConnector, OffloadConnector
+from .connector import MODES, KvConnector, OffloadConnector, block_shape, kv_identity
 from .tiers import CpuTier, FileTier, TieredStore
 
 
@@ -68,6 +70,7 @@ class OffloadEngine(PrefixEngine):
         if not kwargs.get("prefix_sharing", True) and type(self.connector) is not KvConnector:
             raise InputError("a connector finds blocks by their prefix keys: turn prefix sharing on")
         self.delayed: dict[int, OffloadRequest] = {}  # finished, blocks kept for the connector
+        self.recomputed_after_failed_loads = 0  # tokens computed because their blocks failed to load
         super().__init__(model, pool, alloc, **kwargs)
         alloc.on_evict = lambda block, key: self.connector.on_device_evict(block, key, self.pool)
 
@@ -84,9 +87,20 @@ class OffloadEngine(PrefixEngine):
     def _run(self, plan):
         meta = self.connector.build_connector_meta(plan)
         self.connector.start_load_kv(meta, self.pool)
+        self._recompute_failed_loads(plan, self.connector.take_load_failures())
         tokens = super()._run(plan)
         self.connector.wait_for_save(meta, self.pool)
         return tokens
+
+    def _recompute_failed_loads(self, plan: list, first_missing: dict[int, int]) -> None:
+        """Each request whose loads failed computes from its first missing position in this
+        step's forward: its entry in `plan` (the step's record counts it) grows by those tokens."""
+        for i, (req, n) in enumerate(plan):
+            start = first_missing.get(req.request_id)
+            if start is not None and start < req.cur_len:
+                plan[i] = (req, n + req.cur_len - start)
+                self.recomputed_after_failed_loads += req.cur_len - start
+                req.cur_len = start
 
     def _finish(self, req: OffloadRequest, reason: str) -> None:
         if reason in ("aborted", "error") or not self.connector.request_finished(req):
@@ -106,7 +120,8 @@ class OffloadEngine(PrefixEngine):
         return [*super()._stateful(), self.connector, self.connector.counters]
 
     def summary(self) -> dict:
-        out = {**super().summary(), **vars(self.connector.counters)}
+        out = {**super().summary(), **vars(self.connector.counters),
+               "tokens_recomputed_after_failed_loads": self.recomputed_after_failed_loads}
         store = getattr(self.connector, "store", None)
         if store is not None:
             out.update(store.counters())
@@ -128,5 +143,8 @@ def make_offload_engine(model, num_blocks: int, block_size: int = 16, store: Tie
     """L8's engine over a pool of `num_blocks`, with `store` behind it (None: no tier at all)."""
     if mode not in MODES:
         raise InputError(f"unknown offload mode {mode!r}; choose {' or '.join(MODES)}")
-    connector = OffloadConnector(store, block_size, mode) if store is not None else None
+    connector = None
+    if store is not None:  # keyed by what its blocks are K/V of, so a store shared with other pools stays safe
+        connector = OffloadConnector(store, block_size, mode, kv_identity(model, block_size, model.dtype),
+                                     block_shape(model.config, block_size), model.dtype)
     return make_engine(model, num_blocks, block_size, engine_cls=OffloadEngine, connector=connector, **kwargs)

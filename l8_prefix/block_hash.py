@@ -33,3 +33,10 @@ def chain_keys(tokens: list[int], block_size: int, parent: bytes | None = None) 
         parent = block_key(parent, tokens[start:start + block_size])
         keys.append(parent)
     return keys
+
+
+def tagged_key(tag: bytes, key: bytes) -> bytes:
+    """`key` inside the namespace `tag`: equal only for an equal prefix under an equal tag. How a
+    key that names tokens comes to name their K/V in one cache format too (L12's scales, L14's
+    model and dtype), for any key, without the tokens."""
+    return hashlib.blake2b(tag + key, digest_size=16).digest()

@@ -59,6 +59,36 @@ def assert_cache_holds_hf_kv(model_dir, cache, seq: list[int]) -> None:
                                        msg=lambda m: f"layer {layer} cached {name} differs from HF's: {m}")
 
 
+def assert_tables_hold_hf_kv(oracle, pool_kv, tables, layers_of_table, seq: list[int], block_size: int,
+                             null_block: int = -1) -> int:
+    """Every position a block table says it holds, the pool holds HF's K and V there, for `seq` (the
+    tokens written so far). `pool_kv[layer]` is (K, V), each [num_slots, H_kv, D], copied from the
+    pool; `tables[g]` reads the layers `layers_of_table[g]`; entries equal to `null_block` hold
+    nothing. A table is what attention reads through, so this is the run's state, not its report:
+    a table that names blocks the K/V never went to fails, whatever the counters say. HF keeps only
+    a sliding layer's last positions: positions it no longer holds are not compared. Returns the
+    number of positions compared."""
+    hf_layers = hf.hf_kv(oracle, seq)
+    compared = 0
+    for table, layers in zip(tables, layers_of_table):
+        for layer in layers:
+            hf_k, hf_v = hf_layers[layer]
+            first_held = len(seq) - hf_k.shape[0]  # HF's sliding cache keeps the last positions only
+            for entry, block in enumerate(table):
+                positions = range(max(entry * block_size, first_held), min((entry + 1) * block_size, len(seq)))
+                if block == null_block or not positions:
+                    continue
+                slots = torch.tensor([block * block_size + p % block_size for p in positions])
+                rows = torch.tensor(list(positions)) - first_held
+                for name, ours, theirs in (("K", pool_kv[layer][0], hf_k), ("V", pool_kv[layer][1], hf_v)):
+                    torch.testing.assert_close(  # an engine's chunks and fused matmuls round differently
+                        ours[slots].float(), theirs[rows], rtol=3e-3, atol=3e-3,  # a wrong block is off by O(1)
+                        msg=lambda m: (f"layer {layer}, table entry {entry} (block {block}): the pool does not "
+                                       f"hold HF's {name} of positions {positions.start}..{positions.stop - 1}\n{m}"))
+                compared += len(positions)
+    return compared
+
+
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(vocab_size) for _ in range(length)]

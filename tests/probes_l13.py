@@ -49,7 +49,9 @@ def engine_state(engine) -> dict:
         "unfinished": engine.has_unfinished(),
         "block_size": alloc.block_size,
         "windows": [group.window for group in engine.pool.groups],
-        "requests": [{"id": r.request_id, "finished": r.state.name == "FINISHED", "cur_len": r.cur_len,
+        "group_layers": [list(group.layers) for group in engine.pool.groups],
+        "requests": [{"id": r.request_id, "prompt": list(r.prompt_ids), "output": list(r.output_ids),
+                      "finished": r.state.name == "FINISHED", "cur_len": r.cur_len,
                       "tables": [list(t) for t in r.tables], "blocks": len(r.blocks),
                       "state": r.state.name, "queue": queues.get(id(r)),
                       "swapped_tables": [list(t) for t in r.swapped_tables],
@@ -67,6 +69,12 @@ def step(engine) -> dict:
     """One engine step, then `engine_state`."""
     engine.step()
     return engine_state(engine)
+
+
+def pool_kv(engine) -> dict[int, tuple]:
+    """The pool's K and V of every model layer, as the engine's attention indexes them."""
+    pool = engine.pool
+    return {layer: (pool.K[layer], pool.V[layer]) for layer in range(len(pool.K))}
 
 
 def outputs(engine) -> dict[int, list[int]]:

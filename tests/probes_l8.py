@@ -76,3 +76,13 @@ def chain_keys_in_new_processes(tokens: list[int], block_size: int, hash_seeds: 
             raise RuntimeError(f"chain_keys failed in a new process: {done.stderr[-1500:]}")
         outs.append(done.stdout.split())
     return outs
+
+
+def poison_blocks(engine, blocks: list[int], seed: int = 0) -> None:
+    """Noise, 100 times K/V's scale, into every layer's K and V at `blocks`' slots: a request that
+    really reads those blocks for its prefix computes from it; one that recomputes the prefix and
+    only says it hit never sees it."""
+    bs, gen = engine.alloc.block_size, torch.Generator().manual_seed(seed)
+    slots = torch.tensor([b * bs + i for b in blocks for i in range(bs)])
+    for tensor in engine.pool.K + engine.pool.V:
+        tensor[slots] = 100 * torch.randn(tensor[slots].shape, generator=gen).to(tensor.dtype)

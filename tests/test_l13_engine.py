@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from harness import hf_reference as hf
-from helpers import blocks_for, kjv_prompts, random_prompt
-from probes_l13 import engine_state, outputs, record_builds, step
+from helpers import assert_tables_hold_hf_kv, blocks_for, kjv_prompts, random_prompt
+from probes_l13 import engine_state, outputs, pool_kv, record_builds, step
 from l1_contiguous import InputError
 from l5_eviction import WorkItem, load_engine_model
 from l8_prefix import make_prefix_engine
@@ -36,8 +36,12 @@ def prompts(hybrid_model_dir):
 
 
 @pytest.fixture(scope="module")
-def hf_hybrid_ids(hybrid_model_dir, prompts):
-    oracle = hf.load_hf_model(str(hybrid_model_dir))
+def oracle(hybrid_model_dir):
+    return hf.load_hf_model(str(hybrid_model_dir))
+
+
+@pytest.fixture(scope="module")
+def hf_hybrid_ids(oracle, prompts):
     return [hf.hf_greedy(oracle, p, 50) for p in prompts]
 
 
@@ -108,26 +112,70 @@ def check_swapped(req: dict, windows: list, bs: int) -> None:
         f"{where}: the host copy holds {req['host_blocks']} blocks per tensor for {live} live entries"
 
 
-def run_checked(engine, items: list[WorkItem]) -> dict[int, list[int]]:
+def run_checked(engine, items: list[WorkItem], oracle=None) -> dict[int, list[int]]:
     """Runs `items` to the end, checking every forward (check_builds) and every step's end
-    (check_between_steps). The engine's state comes as data (probes_l13), one request a step."""
+    (check_between_steps). The engine's state comes as data (probes_l13), one request a step. With
+    `oracle` (HF's model of the same folder), once, at the first step's end where a table has let
+    go of blocks behind a window: what every running request's tables point at is HF's K/V
+    (check_tables_against_hf), so the tables checked above are the ones attention reads."""
     record_builds(engine)
     for item in items:
         engine.add_request(item)
-    state = engine_state(engine)
+    state, seen = engine_state(engine), None
     while state["unfinished"]:
         state = step(engine)
         check_builds(state)
         check_between_steps(state)
+        if oracle is not None and seen is None and past_a_window(state):
+            seen = check_tables_against_hf(engine, state, oracle)
     assert state["num_free"] == state["num_blocks"], "blocks leaked"
-    return outputs(engine)
+    ids = outputs(engine)
+    if oracle is not None:
+        assert seen is not None, "no step's end had a table past its window: this run checks no pool against HF"
+        for request, output in seen.items():
+            assert ids[request][:len(output)] == output, f"request {request}'s ids changed after they were read"
+    return ids
+
+
+def past_a_window(state: dict) -> bool:
+    return any(r["queue"] == "running" and any(NULL_BLOCK in t for t in r["tables"]) for r in state["requests"])
+
+
+def check_tables_against_hf(engine, state: dict, oracle) -> dict[int, list[int]]:
+    """Every running request's tables hold HF's K/V for its tokens so far (helpers.
+    assert_tables_hold_hf_kv); returns the ids each had then, for run_checked to hold to."""
+    kv, read = pool_kv(engine), {}
+    for req in state["requests"]:
+        if req["queue"] != "running" or not req["tables"]:
+            continue
+        seq = (req["prompt"] + req["output"])[:req["cur_len"]]
+        assert assert_tables_hold_hf_kv(oracle, kv, req["tables"], state["group_layers"], seq, state["block_size"],
+                                        NULL_BLOCK) > 0, f"request {req['id']}: no position left to compare"
+        read[req["id"]] = req["output"]
+    return read
 
 
 @pytest.mark.points(3)
-def test_hybrid_engine_matches_hf_on_the_embedded_hybrid(hybrid, prompts, hf_hybrid_ids):
+def test_hybrid_engine_matches_hf_on_the_embedded_hybrid(hybrid, prompts, hf_hybrid_ids, oracle):
     engine = make_hybrid_engine(hybrid, 200, 16)
-    ids = run_checked(engine, [WorkItem(p, 50) for p in prompts])
+    ids = run_checked(engine, [WorkItem(p, 50) for p in prompts], oracle)
     assert [ids[i] for i in range(len(prompts))] == hf_hybrid_ids
+
+
+def test_the_pool_check_fails_a_table_that_names_blocks_the_kv_never_went_to(hybrid, prompts, oracle):
+    """The check that makes the table checks above about the run, not its report: two live entries
+    of a table swapped (as a forged report would name them) no longer hold HF's K/V."""
+    engine = make_hybrid_engine(hybrid, 200, 16)
+    engine.add_request(WorkItem(prompts[0], 50))
+    state = engine_state(engine)
+    while not past_a_window(state):
+        state = step(engine)
+    check_tables_against_hf(engine, state, oracle)
+    table = state["requests"][0]["tables"][1]
+    live = [i for i, block in enumerate(table) if block != NULL_BLOCK]
+    table[live[0]], table[live[-1]] = table[live[-1]], table[live[0]]
+    with pytest.raises(AssertionError, match="does not hold HF"):
+        check_tables_against_hf(engine, state, oracle)
 
 
 def check_a_swap_round_trip(hybrid, prompt: list[int]) -> None:
@@ -176,11 +224,11 @@ def check_a_swap_round_trip(hybrid, prompt: list[int]) -> None:
 @pytest.mark.points(3)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_hybrid_engine_matches_hf_preempting_in_a_small_pool_with_chunked_prefill(hybrid, prompts,
-                                                                                hf_hybrid_ids, mode):
+                                                                                hf_hybrid_ids, oracle, mode):
     if mode == "swap":
         check_a_swap_round_trip(hybrid, prompts[0])
     engine = make_hybrid_engine(hybrid, 24, 16, prefill_chunk=32, preempt=mode)
-    ids = run_checked(engine, [WorkItem(p, 50, arrival_step=3 * i) for i, p in enumerate(prompts)])
+    ids = run_checked(engine, [WorkItem(p, 50, arrival_step=3 * i) for i, p in enumerate(prompts)], oracle)
     assert [ids[i] for i in range(len(prompts))] == hf_hybrid_ids
     preempted = engine.summary()["preempted_" + mode]
     assert preempted > 0, "the pool was large enough: this test preempts nothing"
@@ -194,19 +242,19 @@ def test_a_random_hybrid_with_kinds_of_unequal_size_matches_hf(make_model):
     oracle = hf.load_hf_model(str(model_dir))
     prompts = [random_prompt(n, 512, seed=50 + n) for n in (45, 30, 61, 9)]
     engine = make_hybrid_engine(model, 40, 4, prefill_chunk=16)
-    ids = run_checked(engine, [WorkItem(p, 30, arrival_step=i) for i, p in enumerate(prompts)])
+    ids = run_checked(engine, [WorkItem(p, 30, arrival_step=i) for i, p in enumerate(prompts)], oracle)
     assert [ids[i] for i in range(len(prompts))] == [hf.hf_greedy(oracle, p, 30) for p in prompts]
     assert engine.summary()["preempted_recompute"] > 0
 
 
 @pytest.mark.points(2)
-def test_one_requests_peak_blocks_are_what_each_step_must_hold(hybrid, prompts):
+def test_one_requests_peak_blocks_are_what_each_step_must_hold(hybrid, prompts, oracle):
     """Counted here step by step: a full group holds every position so far, a sliding group the
     blocks from its window's oldest position to the step's last new token."""
     bs, chunk, window = 16, 32, 64
     prompt, new = prompts[0], 40  # 150 prompt tokens: five chunks, then decodes
     engine = make_hybrid_engine(hybrid, 200, bs, prefill_chunk=chunk)
-    run_checked(engine, [WorkItem(prompt, new)])
+    run_checked(engine, [WorkItem(prompt, new)], oracle)
     peak, start = 0, 0
     for n in [chunk] * (len(prompt) // chunk) + [len(prompt) % chunk] + [1] * (new - 1):
         end = start + n
@@ -277,14 +325,14 @@ def test_samples_of_one_prompt_share_it_and_copy_on_write_in_every_group(hybrid,
 
 @pytest.mark.points(1)
 def test_speculative_decoding_rewinds_every_group_and_the_window_follows_the_accepted_end(hybrid, prompts,
-                                                                                          hf_hybrid_ids):
+                                                                                          hf_hybrid_ids, oracle):
     """L10's verify writes k + 1 positions in every group; the tables are cut back to the accepted end
     and only then is the window moved (check_between_steps sees each sliding table exactly right)."""
     from l10_speculative import PromptLookupDrafter
     from l13_sliding_window.speculative import make_hybrid_spec_engine
 
     engine = make_hybrid_spec_engine(hybrid, 24, 16, drafter=PromptLookupDrafter(), k=4, prefill_chunk=32)
-    ids = run_checked(engine, [WorkItem(p, 50) for p in prompts])
+    ids = run_checked(engine, [WorkItem(p, 50) for p in prompts], oracle)
     assert [ids[i] for i in range(len(prompts))] == hf_hybrid_ids
     s = engine.summary()
     assert 0 < s["accepted"] < s["proposed"], "no proposal was rejected (or none accepted): nothing was rewound"

@@ -18,7 +18,7 @@ from l5_eviction import WorkItem, load_engine_model
 from l8_prefix import chain_keys, make_prefix_engine
 from l14_kv_transfer import CpuTier, FileTier, OffloadConnector, TieredStore, make_offload_engine, make_store
 from probes_l14 import RecordingConnector, connector_state, fail_next_forward, fake_request, use_connector
-from test_l14_tiers import tier_dir  # noqa: F401 - a folder the student's code may write
+from test_l14_tiers import FAULTS, damage, tier_dir  # noqa: F401 - a folder the student's code may write
 
 pytestmark = [pytest.mark.l14, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -71,6 +71,13 @@ def test_matched_tokens_continue_the_devices_run_stop_at_a_gap_and_never_reach_t
     later = OffloadConnector(dummy_store([keys[2], keys[3]]), BS)
     expect(later, req, 2 * BS, 2 * BS, "the store lacks blocks 0-1 but the device holds them: the run continues "
                                        "from block 2 and the store's blocks 2-3 count")
+    # the store's keys are the connector's (store_keys): inside its identity, so that blocks of
+    # another model, dtype, block size or cache tag never match
+    tagged = OffloadConnector(dummy_store(keys), BS, identity=b"model A")
+    expect(tagged, req, 0, 0, "every block is stored, but under the plain chained keys: a connector whose "
+                              "identity is 'model A' looks for its own keys (store_keys) and finds none")
+    own = OffloadConnector(dummy_store(tagged.store_keys(tokens)[:3]), BS, identity=b"model A")
+    expect(own, req, 0, 3 * BS, "blocks 0-2 stored under this connector's own keys (store_keys) match")
 
 
 @pytest.mark.points(1)
@@ -109,6 +116,10 @@ def test_meta_saves_exactly_the_blocks_the_step_fills_that_the_store_lacks():
                           (42, keys[2]), (43, keys[3]), (44, keys[4]),
                           (42, keys[2])]
     assert conn.build_connector_meta(plan).loads == []  # a promise is kept once
+    # with an identity, the saves name the store's keys (store_keys), never the plain chained ones
+    tagged = OffloadConnector(dummy_store([]), BS, identity=b"model A")
+    own = tagged.store_keys(tokens)
+    assert tagged.build_connector_meta([(prefill, 2 * BS + 2)]).saves == [(40, own[0]), (41, own[1])]
 
 
 @pytest.mark.points(1)
@@ -223,6 +234,90 @@ def test_a_step_that_fails_after_its_loads_is_rolled_back_and_runs_again(model, 
     assert tuple(last.output_ids) == hf_ids(tuple(firsts[0]), NEW)
     assert engine.connector.counters.tokens_loaded > loaded
     engine.alloc.check()
+
+
+# ---------------------------------------------------------------- faults: a tier block that cannot be served
+
+def first_turns(engine) -> list[list[int]]:
+    """Turn 1 of the three conversations and the traffic that evicts them from the pool; returns
+    their second turns' prompts."""
+    firsts, traffic = conversations()
+    engine.run([WorkItem(p, NEW, arrival_step=i) for i, p in enumerate(firsts)])
+    seconds = [r.tokens + random_prompt(5, VOCAB, seed=30 + r.request_id) for r in list(engine.requests.values())]
+    engine.run([WorkItem(p, NEW, arrival_step=engine.now + i) for i, p in enumerate(traffic)])
+    return seconds
+
+
+def run_and_check(engine, hf_ids, prompts: list[list[int]]) -> None:
+    start = len(engine.requests)
+    engine.run([WorkItem(p, NEW, arrival_step=engine.now + 2 * i) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert tuple(engine.requests[start + i].output_ids) == hf_ids(tuple(prompt), NEW)
+    engine.alloc.check()
+
+
+@pytest.mark.parametrize("how", FAULTS)
+def test_a_bad_tier_block_is_recomputed_and_no_other_request_notices(model, hf_ids, tmp_path, how):
+    """Conversation 0's third block is damaged on disk before its second turn: that turn loads its
+    first two blocks, computes from the third on, and equals HF; the other turns load as before;
+    the bad block is gone from the tier; the engine goes on (a third round equals HF too)."""
+    files = FileTier(64, tmp_path)
+    engine = make_offload_engine(model, 16, BS, store=TieredStore([files]))
+    seconds = first_turns(engine)
+    bad = engine.connector.store_keys(seconds[0])[2]
+    damage(files.path(bad), how, other=files.path(engine.connector.store_keys(seconds[1])[0]))
+    run_and_check(engine, hf_ids, seconds)
+    s = engine.summary()
+    if how != "deleted":  # a deleted file is a miss when matched: never promised, nothing failed
+        assert s["block_load_errors"] == 1 and s["blocks_failed"] >= 1
+        assert s["tokens_recomputed_after_failed_loads"] >= BS
+    assert bad not in files and s["tokens_loaded"] >= 2 * BS * len(seconds)
+    run_and_check(engine, hf_ids, [p + [1, 2, 3] for p in seconds])
+
+
+def test_a_block_that_vanishes_between_match_and_load_is_recomputed(model, hf_ids, tmp_path):
+    """Matched (and promised) while its file was there, deleted before the step's load: the
+    request computes from that block in the same step."""
+    files = FileTier(64, tmp_path)
+    engine = make_offload_engine(model, 16, BS, store=TieredStore([files]))
+    seconds = first_turns(engine)
+    engine.add_request(WorkItem(seconds[1], NEW))
+    real = engine.connector.start_load_kv
+
+    def delete_then_load(meta, pool):
+        for job in meta.loads:
+            files.path(job.keys[1]).unlink()
+        real(meta, pool)
+
+    engine.connector.start_load_kv = delete_then_load
+    engine.step()
+    del engine.connector.start_load_kv
+    engine.run()
+    assert tuple(engine.requests[len(engine.requests) - 1].output_ids) == hf_ids(tuple(seconds[1]), NEW)
+    s = engine.summary()
+    assert s["blocks_failed"] >= 1 and s["tokens_recomputed_after_failed_loads"] >= BS
+
+
+def test_a_second_run_on_a_persistent_folder_loads_the_first_runs_blocks(model, hf_ids, tmp_path):
+    first = make_offload_engine(model, 16, BS, store=TieredStore([FileTier(64, tmp_path)]))
+    seconds = first_turns(first)
+    files = FileTier(64, tmp_path)  # a new process would open the folder like this
+    assert files.indexed_at_open == len(list(tmp_path.glob("*.kv"))) > 0
+    second = make_offload_engine(model, 16, BS, store=TieredStore([files]))
+    run_and_check(second, hf_ids, seconds)
+    assert second.summary()["tokens_loaded"] >= 2 * BS * len(seconds)
+
+
+def test_blocks_of_another_dtype_or_block_size_in_a_shared_folder_are_never_served(model, tiny_model_dir, tmp_path):
+    """float32 blocks in the folder; a bfloat16 pool and a pool of blocks of 8 find none of them
+    (their keys are inside another identity), and compute everything."""
+    first = make_offload_engine(model, 16, BS, store=TieredStore([FileTier(64, tmp_path)]))
+    seconds = first_turns(first)
+    bf16 = load_engine_model(tiny_model_dir, dtype=torch.bfloat16)
+    for other_model, block_size in ((bf16, BS), (model, 2 * BS)):
+        engine = make_offload_engine(other_model, 16, block_size, store=TieredStore([FileTier(64, tmp_path)]))
+        engine.run([WorkItem(p, NEW) for p in seconds])
+        assert engine.summary()["tokens_loaded"] == 0
 
 
 def test_a_tier_needs_prefix_keys_and_a_known_mode(model):

@@ -4,15 +4,18 @@ pools use; the store's spill chain and its side-effect-free `match`; the file ti
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from l1_contiguous import InputError
-from l14_kv_transfer import CpuTier, FileTier, TieredStore
-from probes_l14 import cut_file, file_exists, scratch_folder, write_file
+from l14_kv_transfer import BlockLoadError, CpuTier, FileTier, TieredStore
+from probes_l14 import file_exists, scratch_folder, write_file
 
 pytestmark = [pytest.mark.l14]
 
@@ -130,17 +133,134 @@ def test_the_cpu_tier_keeps_a_copy_not_the_pools_tensor():
     assert torch.equal(tier.get(key(0)), block(0))
 
 
-def test_a_cut_file_is_an_error_never_data_and_a_temporary_file_is_no_block(tier_dir):
+def test_a_temporary_file_is_no_block_and_clear_deletes_every_block(tier_dir):
     tier = FileTier(4, tier_dir / "files")
     tier.put(key(0), block(0))
-    path = tier.path(key(0))
-    cut_file(path, 5)
-    with pytest.raises(OSError, match="header says"):
-        tier.get(key(0))
     write_file(tier_dir / "files" / (key(1).hex() + ".tmp"), b"half")
     assert key(1) not in tier
     tier.clear()
-    assert not file_exists(path) and len(tier) == 0
+    assert not file_exists(tier.path(key(0))) and len(tier) == 0
+
+
+def damage(path: Path, how: str, other: Path | None = None) -> None:
+    """One way a block file goes bad on disk (or at another process's hands); `other` is another
+    block's file (default: key 2's, beside it)."""
+    data = path.read_bytes()
+    line, _, payload = data.partition(b"\n")
+    if how == "deleted":
+        path.unlink()
+        return
+    if how == "another key's file":
+        path.write_bytes((other or path.parent / (key(2).hex() + ".kv")).read_bytes())
+        return
+    damaged = {"cut": data[:-5], "emptied": b"", "garbled header": b"kvblock/2 ??? \n" + payload,
+               "zeroed payload": line + b"\n" + bytes(len(payload)),
+               "one bit flipped": line + b"\n" + payload[:9] + bytes([payload[9] ^ 4]) + payload[10:],
+               "NaN payload": line + b"\n" + torch.full((len(payload) // 4,), float("nan")).numpy().tobytes()}[how]
+    path.write_bytes(damaged)
+
+
+FAULTS = ["cut", "emptied", "deleted", "garbled header", "zeroed payload", "one bit flipped", "NaN payload",
+          "another key's file"]
+
+
+@pytest.mark.parametrize("how", FAULTS)
+def test_a_damaged_block_file_is_an_error_never_data_and_the_store_drops_it(how, tmp_path):
+    files = FileTier(4, tmp_path)
+    store = TieredStore([CpuTier(0), files])  # every block goes straight to the files
+    for i in range(3):
+        store.save(key(i), block(i))
+    damage(files.path(key(1)), how)
+    if how != "deleted":  # a deleted file is a miss before any read
+        with pytest.raises(BlockLoadError):
+            files.get(key(1))
+        assert key(1) in store
+        with pytest.raises(BlockLoadError):
+            store.load(key(1))
+    assert key(1) not in store and store.match([key(0), key(1), key(2)]) == [1]
+    assert store.load_errors == (how != "deleted") and torch.equal(store.load(key(2)), block(2))
+
+
+def test_a_bad_copy_in_one_tier_is_served_from_the_next_that_holds_it(tmp_path):
+    near, far = FileTier(4, tmp_path / "near"), FileTier(4, tmp_path / "far")
+    store = TieredStore([near, far])
+    far.put(key(5), block(5))
+    store.load(key(5))  # promoted: now in both
+    damage(near.path(key(5)), "one bit flipped")
+    assert torch.equal(store.load(key(5)), block(5)) and store.load_errors == 1
+    assert torch.equal(near.get(key(5)), block(5))  # promoted again: a good copy replaced the bad one
+
+
+def test_a_file_tier_opened_on_a_folder_indexes_the_blocks_there_most_recent_first(tmp_path):
+    first = FileTier(8, tmp_path)
+    for i in range(5):
+        first.put(key(i), block(i))
+        os.utime(first.path(key(i)), ns=(i * 10**9, i * 10**9))  # written in key order
+    (tmp_path / "notes.txt").write_text("not a block")
+    (tmp_path / (key(9).hex() + ".kv")).write_bytes(b"junk\n")
+    (tmp_path / "zz.kv").write_bytes(first.path(key(0)).read_bytes())  # a header not named by its file
+    again = FileTier(8, tmp_path)
+    assert again.indexed_at_open == 5 and list(again.order) == [key(i) for i in range(5)]
+    assert all(torch.equal(again.get(key(i)), block(i)) for i in range(5))
+    small = FileTier(2, tmp_path)  # keeps the two most recently written; the rest stay on disk
+    assert list(small.order) == [key(3), key(4)]
+
+
+def test_a_write_that_fails_leaves_no_partial_file(tmp_path):
+    """A full disk, as a file-size limit in a child process: the write fails with OSError and
+    neither a block file nor a temporary file stays."""
+    code = f"""
+import resource, signal, sys, torch
+sys.path[:0] = {[str(Path(__file__).resolve().parent.parent)]!r}
+from l14_kv_transfer import FileTier
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+tier = FileTier(4, {str(tmp_path)!r})
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+try:
+    tier.put(bytes(16), torch.zeros(4096))
+except OSError as exc:
+    print("OSError", exc.errno)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("OSError"), done.stdout + done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+SHARER = """
+import random, sys, torch
+sys.path[:0] = {path!r}
+from l14_kv_transfer import BlockLoadError, CpuTier, FileTier, TieredStore
+from test_l14_tiers import block, key
+rng, served = random.Random({seed}), 0
+for step in range(300):
+    if step % 50 == 0:  # a new run on the folder: it indexes what the others wrote, and loads it
+        store = TieredStore([CpuTier(1), FileTier(3, {folder!r})])
+    i = rng.randrange(8)
+    try:
+        kv = store.load(key(i))
+    except (KeyError, BlockLoadError):
+        try:
+            store.save(key(i), block(i))
+        except BlockLoadError:  # a block this save evicted was deleted by another process meanwhile
+            pass
+        continue
+    assert torch.equal(kv, block(i)), f"key {{i}} served other bytes"
+    served += 1
+print(served, store.load_errors)
+"""
+
+
+def test_three_processes_share_one_folder_and_never_serve_a_wrong_block(tmp_path):
+    """Each keeps 3 of 8 blocks in the shared folder and evicts, so they delete each other's files
+    under one another's reads, and every 50 operations reopens the folder (a new run), indexing and
+    loading what the others wrote: a vanished block is a miss, never an error or wrong data."""
+    paths = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+    runs = [subprocess.Popen([sys.executable, "-c", SHARER.format(path=paths, folder=str(tmp_path), seed=seed)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in range(3)]
+    outs = [run.communicate(timeout=300) for run in runs]
+    assert all(run.returncode == 0 for run in runs), [err[-2000:] for _, err in outs]
+    assert sum(int(out.split()[0]) for out, _ in outs) > 0
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
 
 
 @pytest.mark.parametrize("capacity", [-1, 1.5, True, "4"])

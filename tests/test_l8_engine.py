@@ -12,6 +12,7 @@ import pytest
 from harness import hf_reference as hf
 from harness.judge import snapshot
 from helpers import blocks_for, random_prompt
+from probes_l8 import poison_blocks
 from l5_eviction import State, WorkItem, load_engine_model
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
 from l8_prefix.engine import PrefixRequest
@@ -182,6 +183,15 @@ def test_a_prefix_that_ends_mid_block_reuses_only_its_full_blocks(model, hf_ref)
     assert (m["prefill_tokens_total"], m["prefill_tokens_computed"]) == (28 + 25, 28 + 5)
     run_checked(engine)
     assert a.output_ids == hf_ref(prompt_a, 4) and b.output_ids == hf_ref(prompt_b, 6)
+    # The hit is B reading A's blocks, not a count: the same run with noise in those 5 blocks
+    # before B arrives changes B's ids (an engine that recomputed them would still give HF's).
+    engine = make(model)
+    engine.add_request(WorkItem(prompt_a, 4))
+    run_checked(engine)
+    poison_blocks(engine, engine.alloc.lookup(chain_keys(prompt_b, BS)))
+    b = engine.add_request(WorkItem(prompt_b, 6))
+    run_checked(engine)
+    assert b.output_ids != hf_ref(prompt_b, 6), "noise in the 5 blocks B says it hit changed nothing: B recomputed them"
 
 
 @pytest.mark.points(3)
