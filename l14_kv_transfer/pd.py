@@ -59,6 +59,10 @@ class PeerLostError(RuntimeError):
     """The other rank closed the connection or did not answer in time."""
 
 
+class TransferError(RuntimeError):
+    """What arrived for a request is not what its header announced."""
+
+
 @dataclass
 class Header:
     index: int
@@ -256,28 +260,23 @@ def plan_receive(alloc, keys: list[bytes], num_blocks: int) -> tuple[list[int], 
     # END SOLUTION
 
 
-def adopt(engine, header: Header, blocks: list[int]):
-    """Make a request of `engine` that continues where the prefill rank stopped: its prompt's K/V in
-    `blocks` (this pool's ids, in order), its first token already sampled, running, nothing to
-    prefill. The full blocks are registered under `header.keys` so later requests share them."""
+def receive(engine, header: Header, held: list[int], fresh: list[int], payload: torch.Tensor):
+    """The decode side's last step for one request: `payload` (pack_blocks' bytes, as they came off
+    the wire) is the K/V of the blocks this pool lacked, in order, for the `fresh` blocks
+    plan_receive gave it; `held` are the leading blocks it already had. Returns the engine's
+    request, running from the prefill rank's first token (`engine.adopt_running`), its blocks
+    `held + fresh`. A payload that is not exactly `len(fresh)` blocks of this pool raises
+    TransferError, and then nothing was written or adopted."""
     # BEGIN SOLUTION
-    bs = engine.alloc.block_size
-    req = engine._new_request(WorkItem(header.prompt_ids, header.max_new_tokens, engine.now))
-    req.blocks = list(blocks)
-    req.slot_indices = [b * bs + i for b in blocks for i in range(bs)]
-    req.cur_len = len(header.prompt_ids)
-    req.output_ids = [header.first_token]
-    for block, key in zip(blocks, header.keys):
-        engine.alloc.register(block, key)
-    req.block_keys = list(header.keys)
-    req.prompt_keys = list(header.keys)
-    req.state = State.RUNNING
-    engine.requests[req.request_id] = req
-    engine.scheduler.running.append(req)
-    engine.prefix.prefill_tokens_total += req.cur_len
-    engine.prefix.prefix_hit_tokens += req.cur_len  # none of it computed here
-    engine._maybe_finish(req)
-    return req
+    expected = len(fresh) * engine.pool.bytes_per_block(engine.model.config, engine.alloc.block_size,
+                                                        engine.model.dtype)
+    if payload.dtype != torch.uint8 or payload.numel() != expected:
+        raise TransferError(f"request {header.index}: {payload.numel()} bytes of {payload.dtype} arrived "
+                            f"for {len(fresh)} blocks of {expected // max(len(fresh), 1)} bytes")
+    for block, kv in zip(fresh, unpack_blocks(engine.pool, payload, len(fresh))):
+        write_block(engine.pool, block, kv)
+    item = WorkItem(header.prompt_ids, header.max_new_tokens, engine.now)
+    return engine.adopt_running(item, held + fresh, header.first_token)
     # END SOLUTION
 
 
@@ -411,13 +410,15 @@ class DecodeRank:
         if entry is None:
             return  # it timed out meanwhile: its blocks are gone, and so is its request
         deadline, header, held, fresh = entry
-        kv = unpack_blocks(self.engine.pool, payload, len(fresh))
-        for row, block in enumerate(fresh):
-            write_block(self.engine.pool, block, kv[row])
+        try:
+            self.requests[index] = receive(self.engine, header, held, fresh, payload)
+        except (TransferError, InputError) as exc:
+            self.engine.alloc.free(held + fresh)
+            self.outcomes[index] = DecodeOutcome(index, [], "error", str(exc))
+            return
         self.blocks_received += len(fresh)
         self.bytes_received += payload.numel()
         self.transfer_seconds.append(self.timeout - (deadline - time.monotonic()))
-        self.requests[index] = adopt(self.engine, header, held + fresh)
 
     def _expire(self, now: float) -> None:
         for index, (deadline, header, held, fresh) in list(self.pending.items()):

@@ -110,6 +110,29 @@ class Engine:
         with self._all_or_nothing([self, self.scheduler]):
             return self._add(item)
 
+    def adopt_running(self, item: WorkItem, blocks: list[int], first_token: int) -> EngineRequest:
+        """A request whose prompt's K/V was computed elsewhere (another engine: L14's prefill rank)
+        and now sits in `blocks` (this pool's ids, in order, one reference each held for it). It
+        joins the running requests with nothing to prefill, as if a step had computed its prompt
+        and sampled `first_token`: it may finish at once. InputError (nothing changed) for an item
+        `add_request` would refuse, a block count that does not fit the prompt, or a token id
+        outside the vocabulary."""
+        self._finish_rollback()
+        self._check_item(item)
+        n, bs = len(item.prompt_ids), self.alloc.block_size
+        if len(blocks) != -(-n // bs):
+            raise InputError(f"a prompt of {n} tokens sits in {-(-n // bs)} blocks of {bs}, not {len(blocks)}")
+        if not _is_int(first_token) or not 0 <= first_token < self.model.config.vocab_size:
+            raise InputError(f"first token {short_repr(first_token)} is not an id of this model's vocabulary")
+        with self._all_or_nothing():
+            req = self._new_request(item)
+            req.blocks, req.slot_indices = list(blocks), [b * bs + i for b in blocks for i in range(bs)]
+            req.cur_len, req.state = n, State.RUNNING
+            self.requests[req.request_id] = req
+            self.scheduler.running.append(req)
+            self._commit([(req, 0)], {req.request_id: first_token})  # as after the step that computed it
+            return req
+
     def _add(self, item: WorkItem) -> EngineRequest:
         req = self._new_request(item)
         if req.arrival_step <= self.now:

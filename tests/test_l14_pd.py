@@ -10,6 +10,7 @@ import json
 import time
 
 import pytest
+import torch
 
 import helpers
 from helpers import random_prompt
@@ -87,7 +88,7 @@ def test_plan_receive_is_all_or_nothing_when_the_pool_is_short():
 # ---------------------------------------------------------------- one process, two pools
 
 def transfer_in_process(prefill, decode, prompts: list[list[int]], new: int) -> tuple[list, list[int], list]:
-    """What the two ranks do, without the wire: prefill each prompt, move its blocks, adopt it."""
+    """What the two ranks do, without the wire: prefill each prompt, move its blocks, receive it."""
     connector = HoldingConnector()
     use_connector(prefill, connector)
     prefill.run([WorkItem(p, 1) for p in prompts])
@@ -96,11 +97,8 @@ def transfer_in_process(prefill, decode, prompts: list[list[int]], new: int) -> 
         keys = chain_keys(req.prompt_ids, BS)
         held, fresh = pd.plan_receive(decode.alloc, keys, len(req.blocks))
         payload = pd.pack_blocks(prefill.pool, list(req.blocks)[len(held):])
-        kv = pd.unpack_blocks(decode.pool, payload, len(fresh))
-        for row, block in enumerate(fresh):
-            pd.write_block(decode.pool, block, kv[row])
         header = pd.Header(req.request_id, req.prompt_ids, req.output_ids[0], len(req.blocks), keys, False, new)
-        adopted.append(pd.adopt(decode, header, held + fresh))
+        adopted.append(pd.receive(decode, header, held, fresh, payload))
         moved.append(len(fresh))
         tables.append((list(req.blocks), held + fresh))
     connector.released = {r.request_id for r in connector.held}
@@ -111,7 +109,7 @@ def transfer_in_process(prefill, decode, prompts: list[list[int]], new: int) -> 
 
 
 @pytest.mark.points(3)
-def test_adopt_decodes_hfs_ids_from_blocks_moved_into_other_ids_with_no_prompt_token_computed(model, hf_ids):
+def test_receive_decodes_hfs_ids_from_blocks_moved_into_other_ids_with_no_prompt_token_computed(model, hf_ids):
     system = random_prompt(3 * BS, VOCAB, seed=7)
     prompts = [system + random_prompt(5 + 3 * i, VOCAB, seed=8 + i) for i in range(3)]
     prefill = make_offload_engine(model, 40, BS)
@@ -130,8 +128,7 @@ def test_adopt_decodes_hfs_ids_from_blocks_moved_into_other_ids_with_no_prompt_t
     decode.alloc.check()
 
 
-@pytest.mark.points(1)
-def test_adopt_registers_the_keys_and_a_first_token_that_ends_the_request_ends_it(model, hf_ids):
+def test_receive_registers_the_keys_and_a_first_token_that_ends_the_request_ends_it(model, hf_ids):
     prompt = random_prompt(4 * BS + 1, VOCAB, seed=12)
     prefill, decode = make_offload_engine(model, 20, BS), make_offload_engine(model, 20, BS)
     adopted, _, tables = transfer_in_process(prefill, decode, [prompt], 1)  # max_new_tokens 1: done on arrival
@@ -140,6 +137,31 @@ def test_adopt_registers_the_keys_and_a_first_token_that_ends_the_request_ends_i
     assert decode.alloc.lookup(keys) == tables[0][1][:4]  # cached under their keys for later prompts
     s = decode.summary()
     assert s["blocks_free_at_end"] == s["blocks_total"]
+
+
+@pytest.mark.points(3)
+def test_receive_refuses_a_payload_that_is_not_the_fresh_blocks_and_changes_nothing(model):
+    """One block short, one byte long, the right bytes as float32: TransferError, and the pool,
+    the allocator and the engine's requests are as before (the caller frees the blocks)."""
+    prompt = random_prompt(3 * BS + 2, VOCAB, seed=14)
+    prefill, decode = make_offload_engine(model, 20, BS), make_offload_engine(model, 20, BS)
+    connector = HoldingConnector()
+    use_connector(prefill, connector)
+    prefill.run([WorkItem(prompt, 1)])
+    req = connector.held[0]
+    keys = chain_keys(prompt, BS)
+    held, fresh = pd.plan_receive(decode.alloc, keys, len(req.blocks))
+    good = pd.pack_blocks(prefill.pool, list(req.blocks))
+    header = pd.Header(0, prompt, req.output_ids[0], len(req.blocks), keys, False, 4)
+    block_bytes = good.numel() // len(fresh)
+    before = [t.clone() for t in decode.pool.K + decode.pool.V], allocator_state(decode.alloc)
+    for bad in (good[:-block_bytes], torch.cat([good, good[:1]]), good.view(torch.float32)):
+        with pytest.raises(pd.TransferError):
+            pd.receive(decode, header, held, fresh, bad)
+        assert all(torch.equal(t.view(torch.uint8), b.view(torch.uint8))  # bit for bit: the pool may hold NaN
+                   for t, b in zip(decode.pool.K + decode.pool.V, before[0]))
+        assert allocator_state(decode.alloc) == before[1] and not decode.requests
+    assert pd.receive(decode, header, held, fresh, good).cur_len == len(prompt)
 
 
 # ---------------------------------------------------------------- two processes

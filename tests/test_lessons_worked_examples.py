@@ -304,7 +304,7 @@ def test_l13_worked_example():
 
 def test_l14_worked_example(embedded_model_dir):
     """L14 §4: two requests prefilled in one pool and moved into another, with the lesson's
-    plan_receive, adopt and the wire's pack/unpack; the table's block ids and counts recomputed."""
+    plan_receive, receive and the wire's pack; the table's block ids and counts recomputed."""
     from l5_eviction import WorkItem, load_engine_model
     from l8_prefix import chain_keys
     from l14_kv_transfer import KvConnector, make_offload_engine, pd
@@ -332,10 +332,8 @@ def test_l14_worked_example(embedded_model_dir):
         keys = chain_keys(req.prompt_ids, 4)
         held, fresh = pd.plan_receive(decode.alloc, keys, len(req.blocks))
         sent = req.blocks[len(held):]
-        kv = pd.unpack_blocks(decode.pool, pd.pack_blocks(prefill.pool, sent), len(fresh))
-        for row, block in enumerate(fresh):
-            pd.write_block(decode.pool, block, kv[row])
-        pd.adopt(decode, pd.Header(0, req.prompt_ids, req.output_ids[0], len(req.blocks), keys, False, 3), held + fresh)
+        header = pd.Header(0, req.prompt_ids, req.output_ids[0], len(req.blocks), keys, False, 3)
+        pd.receive(decode, header, held, fresh, pd.pack_blocks(prefill.pool, sent))
         holds = f"{show(held)} (k0, k1)" if held else "none"
         rows.append(f"| {name} | {show(req.blocks)} | k0, k1 | {holds} | {show(fresh)} | "
                     f"{', '.join(map(str, sent))} ({len(sent)} block{'s' if len(sent) > 1 else ''}) | {show(held + fresh)} |")
