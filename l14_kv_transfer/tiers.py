@@ -314,4 +314,6 @@ class TieredStore:
             out.update({f"{t.name}_blocks": len(t), f"{t.name}_capacity": t.capacity,
                         f"{t.name}_bytes_written": t.bytes_written, f"{t.name}_bytes_read": t.bytes_read,
                         f"{t.name}_evictions": t.evictions, f"{t.name}_blocks_loaded": self.loads_by_tier[i]})
+            if isinstance(t, FileTier):
+                out["file_blocks_found_at_open"] = t.indexed_at_open
         return out

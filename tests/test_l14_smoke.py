@@ -49,3 +49,33 @@ def test_a_tier_folder_that_is_a_file_is_bad_input(capsys, tmp_path):
     (tmp_path / "f").write_text("x")
     status, _, err = run_script_json("l14_smoke", ["--tier-dir", str(tmp_path / "f"), "--max-new-tokens", "2"], capsys)
     assert status == 2 and "is a file" in err
+
+
+def smoke_in_a_new_process(argv: list[str]) -> dict:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "scripts" / "l14_smoke.py"), "--json", *argv],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def test_a_second_run_on_a_persistent_tier_dir_loads_the_first_runs_blocks_and_survives_damaged_ones(tmp_path):
+    """Three processes, one --tier-dir: the second finds the first's blocks at start and loads more
+    of them than the first could (its turns 1 too); before the third, five block files are zeroed
+    (their headers intact): it recomputes those, loads the rest, and still PASSes."""
+    argv = ["--tier", "file", "--tier-dir", str(tmp_path), "--max-new-tokens", "6"]
+    first, second = smoke_in_a_new_process(argv), smoke_in_a_new_process(argv)
+    assert first["match"] is True and second["match"] is True and first["file_blocks_found_at_open"] == 0
+    assert second["file_blocks_found_at_open"] > 0 and second["tokens_loaded"] > first["tokens_loaded"]
+    assert second["prefill_tokens_computed"] < first["prefill_tokens_computed"]
+    for path in sorted(tmp_path.glob("*.kv"))[:5]:
+        header, _, payload = path.read_bytes().partition(b"\n")
+        path.write_bytes(header + b"\n" + bytes(len(payload)))
+    third = smoke_in_a_new_process(argv)
+    assert third["match"] is True and third["block_load_errors"] > 0
+    assert third["tokens_recomputed_after_failed_loads"] > 0 and third["tokens_loaded"] > 0
