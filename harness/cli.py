@@ -18,6 +18,7 @@ from typing import Callable
 
 
 _interrupt_received = False
+_interrupt_signal = signal.SIGINT  # which one arrived last
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -25,8 +26,8 @@ def _raise_interrupt(signum, frame) -> None:
     Remembering matters because C code can swallow the KeyboardInterrupt and raise its own error
     instead (torch building a tensor inside safetensors' loader says "could not determine the
     shape of object type ..."): after a Ctrl-C, that error is the Ctrl-C, not a corrupt file."""
-    global _interrupt_received
-    _interrupt_received = True
+    global _interrupt_received, _interrupt_signal
+    _interrupt_received, _interrupt_signal = True, signum
     raise KeyboardInterrupt
 
 
@@ -41,8 +42,19 @@ def interrupt_received() -> bool:
     return _interrupt_received
 
 
+def interruption(signum: int | None = None) -> str:
+    """How the error line names the interrupt: a SIGTERM is not a Ctrl-C (under torchrun it is
+    the launcher stopping this rank because another one ended)."""
+    signum = _interrupt_signal if signum is None else signum
+    if signum != signal.SIGTERM:
+        return "interrupted (Ctrl-C)"
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for every rank it starts
+        return "interrupted (SIGTERM from torchrun: another rank ended, see its lines, or torchrun was stopped)"
+    return "interrupted (SIGTERM)"
+
+
 def _exit_interrupted(signum, frame) -> None:
-    print("error: interrupted (Ctrl-C) while starting; nothing was run", file=sys.stderr, flush=True)
+    print(f"error: {interruption(signum)} while starting; nothing was run", file=sys.stderr, flush=True)
     os._exit(2)
 
 
@@ -93,8 +105,9 @@ def sane_streams() -> None:
 def say_error(message: str) -> None:
     """`error: message` on stderr; if even that fails (stderr on a full disk), stay silent: the
     exit status still says 2."""
-    try:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    try:  # one write: two processes sharing a pipe (torchrun's ranks) never cut each other's line
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
     except (OSError, ValueError):
         pass
 
@@ -122,7 +135,7 @@ def run_main(main: Callable[[], int | None], what: str = "nothing was written") 
         sys.stdout.flush()
         return status or 0
     except KeyboardInterrupt:
-        exit_interrupted(f"interrupted (Ctrl-C); {what}")
+        exit_interrupted(f"{interruption()}; {what}")
     except BrokenPipeError:
         _quiet_stdout()
         return 0
@@ -152,11 +165,11 @@ def _internal_error(exc: BaseException, what: str) -> int:
     raised inside some hooks (a class body's `__set_name__` during torch's import) in a RuntimeError,
     and C code can swallow it and raise an error of its own (`interrupt_received`)."""
     if _interrupt_received:
-        exit_interrupted(f"interrupted (Ctrl-C); {what}")
+        exit_interrupted(f"{interruption()}; {what}")
     cause, seen = exc, set()
     while cause is not None and id(cause) not in seen:  # a chain can loop back on itself
         if isinstance(cause, KeyboardInterrupt):
-            exit_interrupted(f"interrupted (Ctrl-C); {what}")
+            exit_interrupted(f"{interruption()}; {what}")
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     traceback.print_exception(exc)

@@ -27,7 +27,7 @@ from l1_contiguous.errors import ModelLoadError
 from l1_contiguous.config import Qwen3Config
 
 from . import compare
-from .cli import interrupt_received, sane_streams, say_error, watch_interrupts
+from .cli import interrupt_received, interruption, sane_streams, say_error, watch_interrupts
 from .forcing import ForcedPaths, forcing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -280,7 +280,7 @@ def run_smoke(lesson: str, description: str, run: Callable[[argparse.Namespace, 
         _stdout_to_devnull()  # the reader has what it wanted; nothing more to say
     except KeyboardInterrupt:
         _stdout_to_devnull()
-        say_error("interrupted (Ctrl-C) while printing the report")
+        say_error(f"{interruption()} while printing the report")
         return 2
     except OSError as exc:
         _stdout_to_devnull()
@@ -314,7 +314,7 @@ def _failure_status(exc: BaseException, parser: argparse.ArgumentParser | None =
         return exc.code if isinstance(exc.code, int) else 2
     if isinstance(exc, KeyboardInterrupt) or (isinstance(exc, Exception) and interrupt_received()):
         # after a Ctrl-C, C code may have swallowed it and raised its own error ("not a readable file")
-        message = "interrupted (Ctrl-C) before the comparison finished; nothing was written"
+        message = f"{interruption()} before the comparison finished; nothing was written"
     elif isinstance(exc, InputError):
         message = str(exc)
     elif isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or _is_failed_allocation(exc):

@@ -23,6 +23,7 @@ ends with an error while the ones already received finish.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import queue
 import threading
@@ -98,11 +99,16 @@ class DataPath:
         torch.cuda.current_stream(payload.device).synchronize()  # arrived before anyone reads it
 
 
+START_TIMEOUT_S = 120.0  # for the ranks to meet: loading a model may take a while on either side
+
+
 def init_group(transfer_timeout_s: float, backend: str = "gloo") -> DataPath:
     """Join the two-process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_*): gloo for
-    the control messages, and for the payloads gloo or (one GPU per rank) NCCL. A call gives up
-    after 4 transfer timeouts: the decode side's own deadlines come first."""
-    timeout = datetime.timedelta(seconds=4 * transfer_timeout_s)
+    the control messages, and for the payloads gloo or (one GPU per rank) NCCL. gloo's own timeout
+    is generous (START_TIMEOUT_S, or 4 transfer timeouts if longer): it covers start-up, where a
+    rank may still be loading its model, and a peer that hangs without closing its connection; a
+    transfer's deadline is the decode side's own, much shorter."""
+    timeout = datetime.timedelta(seconds=max(START_TIMEOUT_S, 4 * transfer_timeout_s))
     if backend == "nccl":
         if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "2")):
             raise InputError("--dist-backend nccl needs one GPU per rank; with fewer use gloo (K/V staged "
@@ -114,6 +120,26 @@ def init_group(transfer_timeout_s: float, backend: str = "gloo") -> DataPath:
     if backend == "nccl":
         return DataPath(dist.new_group(backend="nccl", timeout=timeout), f"cuda:{torch.cuda.current_device()}")
     return DataPath()
+
+
+def agree_on_config(config: dict) -> None:
+    """Both ranks call this once, right after init_group, with what must be equal on both sides
+    (the model's identity, dtype, block size, the workload): InputError on both, naming the first
+    difference, before any K/V moves. The configs cross as JSON text, never as pickles: a rank
+    does not run what its peer sends."""
+    mine = torch.frombuffer(bytearray(json.dumps(config, sort_keys=True).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()]))
+    longest = int(max(sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:mine.numel()] = mine
+    both = [torch.zeros(longest, dtype=torch.uint8) for _ in range(2)]
+    dist.all_gather(both, padded)
+    configs = [json.loads(t[:int(n)].numpy().tobytes()) for t, n in zip(both, sizes)]
+    for key in config:
+        if configs[0].get(key) != configs[1].get(key):
+            raise InputError(f"the two ranks were started differently: {key} is {configs[0].get(key)} on rank 0 "
+                             f"and {configs[1].get(key)} on rank 1; start both with the same options")
 
 
 # ---------------------------------------------------------------- the wire

@@ -9,6 +9,8 @@ cached free) at the end."""
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -27,7 +29,7 @@ with starting():  # a Ctrl-C during these imports (a second or more) ends in one
     from l2_paged import blocks_needed  # noqa: E402
     from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
     from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, engine_backend, load_engine_model  # noqa: E402
-    from l14_kv_transfer import MODES, make_offload_engine, make_store  # noqa: E402
+    from l14_kv_transfer import MODES, kv_identity, make_offload_engine, make_store  # noqa: E402
     from l14_kv_transfer import pd  # noqa: E402
 
 
@@ -172,7 +174,20 @@ def follow_up(setup, prompt: list[int]) -> list[int]:
 
 def pd_workload(args, setup) -> list[WorkItem]:
     args.n, args.arrivals = 1, "staggered"
-    return [WorkItem(w.prompt_ids, w.max_new_tokens, w.arrival_step) for w in l8_smoke.workload(args, setup)]
+    items = [WorkItem(w.prompt_ids, w.max_new_tokens, w.arrival_step) for w in l8_smoke.workload(args, setup)]
+    if args.stall_transfer is not None and not 0 <= args.stall_transfer < len(items):
+        raise InputError(f"--stall-transfer {args.stall_transfer}: the run has requests 0 to {len(items) - 1}")
+    return items
+
+
+def pd_config(args, engine, items: list[WorkItem]) -> dict:
+    """What both ranks must agree on (pd.agree_on_config), most telling first."""
+    model = engine.model
+    prompts = hashlib.blake2b(json.dumps([w.prompt_ids for w in items]).encode(), digest_size=8).hexdigest()
+    return {"dtype": str(model.dtype).removeprefix("torch."), "block_size": args.block_size,
+            "dist_backend": args.dist_backend, "requests": len(items), "prompts (digest)": prompts,
+            "max_new_tokens": sorted({w.max_new_tokens for w in items}),
+            "model (digest)": kv_identity(model, args.block_size, model.dtype).hex()[:16]}
 
 
 def pd_engine(args, setup, items, connector=None):
@@ -195,6 +210,7 @@ def run_decode_rank(args, setup) -> LessonRun:
     items = pd_workload(args, setup)
     engine = pd_engine(args, setup, items)
     data = pd.init_group(args.transfer_timeout, args.dist_backend)
+    pd.agree_on_config(pd_config(args, engine, items))
     rank = pd.DecodeRank(engine, len(items), args.transfer_timeout, data=data)
     outcomes = rank.run()
     engine.alloc.check()
@@ -232,6 +248,7 @@ def run_prefill_rank(argv=None) -> int:
         data = pd.init_group(args.transfer_timeout, args.dist_backend)
         engine = pd_engine(args, setup, items, lambda e: pd.PdSendConnector(e.pool, args.block_size, max_new,
                                                                             stall=stall, on_sent=sent, data=data))
+        pd.agree_on_config(pd_config(args, engine, items))
         try:
             figures = pd.run_prefill_rank(engine, items)
         except pd.PeerLostError as exc:

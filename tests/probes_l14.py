@@ -120,10 +120,10 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def torchrun_smoke(argv: list[str], timeout: float = 240) -> dict:
+def torchrun_smoke(argv: list[str], timeout: float = 240, script=SMOKE) -> dict:
     """`torchrun --nproc-per-node 2 scripts/l14_smoke.py ARGV`: its exit status and output."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(SMOKE), *argv],
+                           "--master-port", str(free_port()), str(script), *argv],
                           capture_output=True, text=True, timeout=timeout, env=_env())
     return {"status": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
 

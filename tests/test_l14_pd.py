@@ -7,6 +7,7 @@ a transfer held back past its deadline end only the requests concerned, within a
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -234,3 +235,53 @@ def test_a_prompt_the_decode_rank_holds_whole_moves_no_block():
     assert status == 0 and report is not None and all(equal_hf(report)), output[-3000:]
     assert report["blocks_received"] == 2 and report["blocks_already_held"] == 2
     assert report["decode_prefill_tokens_computed"] == 0 and report["all_blocks_free_at_end"]
+
+
+# ---------------------------------------------------------------- two processes: faults at the door
+
+def torchrun_with_rank1_options(extra: list[str], tmp_path) -> tuple[int, str]:
+    """torchrun as above, rank 1 started with `extra` options more than rank 0 (through a wrapper
+    script: torchrun gives every rank the same arguments)."""
+    from probes_l14 import SMOKE
+
+    wrapper = tmp_path / "rank1_differs.py"
+    wrapper.write_text("import os, runpy, sys\n"
+                       f"if os.environ.get('RANK') == '1':\n    sys.argv += {extra!r}\n"
+                       f"sys.argv[0] = {str(SMOKE)!r}\n"
+                       f"runpy.run_path({str(SMOKE)!r}, run_name='__main__')\n")
+    done = torchrun_smoke(["--max-new-tokens", "4"], script=wrapper)
+    return done["status"], done["stdout"] + done["stderr"]
+
+
+def door_errors(output: str, named: str) -> bool:
+    """Each rank's error line names the problem, one line per rank; a rank torchrun stopped first
+    (it stops the others when one exits) may say that instead."""
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    return (1 <= len(errors) <= 2 and any(named in line for line in errors)
+            and all(named in line or "SIGTERM from torchrun" in line for line in errors))
+
+
+@pytest.mark.parametrize("extra, named", [(["--block-size", "8"], "block_size is 16 on rank 0 and 8 on rank 1"),
+                                          (["--dtype", "bfloat16"], "dtype is float32 on rank 0 and bfloat16 on rank 1"),
+                                          (["--max-new-tokens", "3"], "max_new_tokens is [4] on rank 0 and [3] on rank 1")])
+def test_ranks_started_differently_both_stop_with_one_line_naming_the_difference(extra, named, tmp_path):
+    status, output = torchrun_with_rank1_options(extra, tmp_path)
+    assert status != 0 and door_errors(output, named), output[-3000:]
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", output)
+    # bad input on both ranks, not a crash (one that already said so may be stopped by torchrun as it exits)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, codes
+    ours = output.split("torch/distributed/elastic")[0]  # what the ranks printed before torchrun's report
+    assert "Traceback" not in ours, ours[-3000:]
+
+
+def test_a_short_transfer_timeout_does_not_cut_start_up_short():
+    """gloo's timeout is the start-up's (generous), not the transfer's: 0.3 s once ended start-up
+    with DistStoreError while a rank was still loading its model."""
+    status, output, report = torchrun(["--transfer-timeout", "0.3"])
+    assert report is not None and "DistStoreError" not in output, output[-3000:]
+    assert len(report["requests"]) == 5 and report["all_blocks_free_at_end"]
+
+
+def test_a_stalled_transfer_that_names_no_request_is_bad_input():
+    status, output, _ = torchrun(["--stall-transfer", "99"])
+    assert status != 0 and door_errors(output, "--stall-transfer 99: the run has requests 0 to 4"), output[-3000:]
