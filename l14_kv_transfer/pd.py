@@ -6,10 +6,12 @@ Per request, over torch.distributed point-to-point (gloo; every message is match
     prefill, sample the first token
     header [kind, index, prompt_len, first token, ──► plan_receive: the leading blocks it already
       blocks, full blocks, finished, max_new]          holds by key (shared), fresh ones for the
-    prompt ids, keys of the full blocks          ──►   rest (or -1: it can never fit)
+    prompt ids, keys of the full blocks          ──►   rest (-1: it can never fit; -2: not now)
                                                  ◄── how many leading blocks it holds
-    K/V of the blocks it lacks (one tensor)      ──► written into its own fresh block ids,
-    its blocks freed (cached for later prompts)        keys registered, the request decodes
+    K/V of the blocks it lacks (one tensor)      ──► receive: written into its own fresh block
+    its blocks freed (cached for later prompts)        ids, adopted, the request decodes
+    (on "not now": its blocks kept, asked again
+     later, prefilling the others meanwhile)
     ...
     header with kind END                         ──► nothing more will come
 
@@ -17,7 +19,9 @@ Every gloo call on the decode side runs on one receiver thread, so the engine ke
 transfer is in flight; the main loop gives each transfer a deadline. A transfer that misses it ends
 its request with an error and frees its blocks (a late payload lands in a buffer nobody reads: its
 tag is its own); a prefill rank that dies closes the connection, and every request it still owed
-ends with an error while the ones already received finish.
+ends with an error while the ones already received finish. A decode pool with no room is
+backpressure, not a fault: its "not now" keeps every gloo call short however long the pool stays
+full, so no timeout mistakes it for a dead peer.
 """
 
 from __future__ import annotations
@@ -43,10 +47,12 @@ from .connector import KvConnector, read_block, write_block
 from .tiers import KEY_BYTES
 
 PREFILL_RANK, DECODE_RANK = 0, 1
+NOT_NOW_WAIT_S, MAX_NOT_NOW_WAIT_S = 0.01, 0.2  # the prefill rank's backoff while the decode rank is full
 HEADER, REPLY, PAYLOAD_BASE = 0, 1, 100  # tags; a payload's tag is PAYLOAD_BASE + the request's index
 KIND_END, KIND_REQUEST = 0, 1
 HEADER_LEN = 8
 REFUSED = -1  # the decode side's reply when the request can never fit its pool
+NOT_NOW = -2  # its reply when the request does not fit now: ask again later (backpressure, not an error)
 
 
 def short_reason(exc: BaseException) -> str:
@@ -203,7 +209,7 @@ class PdSendConnector(KvConnector):
         self.stall = stall or {}  # request index -> seconds to wait before its K/V (a fault to inject)
         self.on_sent = on_sent  # callable(index, blocks sent, bytes sent), e.g. to print progress
         self.queued: list = []
-        self.blocks_sent = self.bytes_sent = self.blocks_skipped = 0
+        self.blocks_sent = self.bytes_sent = self.blocks_skipped = self.not_now = 0
         self.send_seconds = 0.0
 
     def request_finished(self, req) -> bool:
@@ -211,21 +217,24 @@ class PdSendConnector(KvConnector):
         return True
 
     def get_finished(self) -> set[int]:
+        """Send the queued requests in order; stop at one the decode side has no room for yet (it
+        stays queued, and so do those after it, for a later step). The ids sent (or refused)."""
         done = set()
         while self.queued:
-            req = self.queued.pop(0)
-            self.send(req)
-            done.add(req.request_id)
+            if not self.send(self.queued[0]):
+                break
+            done.add(self.queued.pop(0).request_id)
         return done
 
-    def send(self, req) -> None:
+    def send(self, req) -> bool:
+        """False: the decode rank said "not now"; the request keeps its blocks and is asked about again."""
         try:
-            self._send(req)
+            return self._send(req)
         except RuntimeError as exc:  # gloo: connection closed, or no answer within its timeout
             raise PeerLostError(f"lost the decode rank while sending request {req.request_id} "
                                 f"({short_reason(exc)})") from None
 
-    def _send(self, req) -> None:
+    def _send(self, req) -> bool:
         start = time.perf_counter()
         first = req.output_ids[0]
         finished = req.finish_reason in ("eos", "stop") or self.max_new_of[req.request_id] == 1
@@ -237,6 +246,10 @@ class PdSendConnector(KvConnector):
             reply = torch.zeros(1, dtype=torch.int64)
             dist.recv(reply, self.peer, tag=REPLY)
             held = int(reply)
+            if held == NOT_NOW:
+                self.not_now += 1
+                self.send_seconds += time.perf_counter() - start
+                return False
             if held != REFUSED:
                 missing = req.blocks[held:]
                 payload = pack_blocks(self.pool, missing, self.data.device)
@@ -249,6 +262,7 @@ class PdSendConnector(KvConnector):
         self.send_seconds += time.perf_counter() - start
         if self.on_sent is not None:
             self.on_sent(req.request_id, header.num_blocks, self.bytes_sent)
+        return True
 
 
 def prefill_items(items: list[WorkItem]) -> list[WorkItem]:
@@ -258,12 +272,28 @@ def prefill_items(items: list[WorkItem]) -> list[WorkItem]:
 
 def run_prefill_rank(engine, items: list[WorkItem]) -> dict:
     """Prefill every item on `engine` (an OffloadEngine whose connector is a PdSendConnector),
-    sending each as it finishes; then the end of the stream. Figures for the report."""
-    engine.run(prefill_items(items))  # each step ends with its finished requests sent (OffloadEngine.step)
+    sending each as it finishes (each step ends with its finished requests sent: OffloadEngine.step);
+    then the end of the stream. While the decode rank has no room, the requests it is asked about
+    keep their blocks and this rank goes on prefilling the others; with nothing left to compute it
+    waits a little and asks again. Figures for the report."""
     connector = engine.connector
+    for item in prefill_items(items):
+        engine.add_request(item)
+    wait, busy = NOT_NOW_WAIT_S, 0.0
+    while engine.has_unfinished() or connector.queued:
+        start = time.perf_counter()
+        record = engine.step() if engine.has_unfinished() else None
+        if record is not None and record.prefill_tokens + record.decode_tokens:
+            busy += time.perf_counter() - start
+            wait = NOT_NOW_WAIT_S
+            continue
+        time.sleep(wait)  # nothing computed: the pool is full of blocks the decode rank has no room for yet
+        wait = min(2 * wait, MAX_NOT_NOW_WAIT_S)
+        engine.release_finished()
     send_end(connector.peer)
     return {"blocks_sent": connector.blocks_sent, "blocks_not_sent_already_held": connector.blocks_skipped,
             "bytes_sent": connector.bytes_sent, "send_seconds": round(connector.send_seconds, 4),
+            "not_now_replies": connector.not_now, "step_seconds_computing": round(busy, 4),
             "prefill_tokens_computed": engine.summary()["prefill_tokens_computed"]}
 
 
@@ -326,10 +356,12 @@ class DecodeRank:
         self.inbox: queue.Queue = queue.Queue()  # from the receiver thread
         self.decisions: queue.Queue = queue.Queue()  # to it: blocks to receive, or REFUSED
         self.pending: dict[int, tuple[float, Header, list[int], list[int]]] = {}  # index -> deadline, ...
-        self.backlog: list[Header] = []  # headers waiting for room in the pool
+        self.backlog: list[Header] = []  # headers waiting for this loop's answer
         self.stream_over = False
         self.lost = False
-        self.blocks_received = self.bytes_received = self.blocks_already_held = 0
+        self.blocks_received = self.bytes_received = self.blocks_already_held = self.not_now = 0
+        self.no_room_since: dict[int, float] = {}  # index -> when it was first told "not now"
+        self.longest_wait_for_room = 0.0
         self.transfer_seconds: list[float] = []
         self.steps: list[tuple[float, int]] = []  # (seconds, tokens decoded) of each engine step
 
@@ -347,7 +379,7 @@ class DecodeRank:
                     continue
                 held = self.decisions.get()
                 dist.send(torch.tensor([held], dtype=torch.int64), self.peer, tag=REPLY)
-                if held == REFUSED:
+                if held in (REFUSED, NOT_NOW):
                     continue
                 n = header.num_blocks - held
                 payload = torch.empty(n * block_bytes, dtype=torch.uint8, device=self.data.device)
@@ -402,7 +434,9 @@ class DecodeRank:
             self._lose(f"lost the prefill rank ({message[1]})")
 
     def _admit_backlog(self) -> None:
-        """Reply to the oldest header once its blocks fit (the prefill rank waits for the reply)."""
+        """Reply to the oldest header (the prefill rank waits for the reply): how many leading
+        blocks this pool holds, REFUSED if the request can never run here, or NOT_NOW if its
+        blocks do not fit yet (the prefill rank keeps them and asks again: backpressure)."""
         while self.backlog:
             header = self.backlog[0]
             alloc = self.engine.alloc
@@ -414,14 +448,22 @@ class DecodeRank:
                 self._refuse(header, f"{header.num_blocks} blocks cannot hold a prompt of {len(header.prompt_ids)} "
                                      f"tokens in blocks of {alloc.block_size}")
                 continue
-            if header.num_blocks > alloc.num_blocks:
-                self._refuse(header, f"{header.num_blocks} blocks can never fit a pool of {alloc.num_blocks}")
+            try:  # the engine's own rule: its prompt and every token it may decode must fit the pool
+                self.engine.scheduler.check(self.engine.request_cls(header.prompt_ids, header.max_new_tokens,
+                                                                    request_id=header.index))
+            except InputError as exc:
+                self._refuse(header, str(exc))
                 continue
+            self.backlog.pop(0)
             try:
                 held, fresh = plan_receive(alloc, header.keys, header.num_blocks)
             except OutOfBlocksError:
-                return  # wait for running requests to free blocks
-            self.backlog.pop(0)
+                self.not_now += 1
+                self.no_room_since.setdefault(header.index, time.monotonic())
+                self.decisions.put(NOT_NOW)
+                continue
+            waited = time.monotonic() - self.no_room_since.pop(header.index, time.monotonic())
+            self.longest_wait_for_room = max(self.longest_wait_for_room, waited)
             self.pending[header.index] = (time.monotonic() + self.timeout, header, held, fresh)
             self.blocks_already_held += len(held)
             self.decisions.put(len(held))
@@ -474,6 +516,7 @@ class DecodeRank:
     def figures(self) -> dict:
         s = self.engine.summary()
         return {"blocks_received": self.blocks_received, "bytes_received": self.bytes_received,
-                "blocks_already_held": self.blocks_already_held,
+                "blocks_already_held": self.blocks_already_held, "not_now_replies": self.not_now,
+                "longest_wait_for_room_s": round(self.longest_wait_for_room, 3),
                 "decode_prefill_tokens_computed": s["prefill_tokens_computed"] + s["tokens_recomputed"],
                 "errors": sum(o.finish_reason == "error" for o in self.outcomes.values())}

@@ -115,8 +115,8 @@ class Engine:
         and now sits in `blocks` (this pool's ids, in order, one reference each held for it). It
         joins the running requests with nothing to prefill, as if a step had computed its prompt
         and sampled `first_token`: it may finish at once. InputError (nothing changed) for an item
-        `add_request` would refuse, a block count that does not fit the prompt, or a token id
-        outside the vocabulary."""
+        `add_request` would refuse (one too large for the pool included), a block count that does
+        not fit the prompt, or a token id outside the vocabulary."""
         self._finish_rollback()
         self._check_item(item)
         n, bs = len(item.prompt_ids), self.alloc.block_size
@@ -124,8 +124,9 @@ class Engine:
             raise InputError(f"a prompt of {n} tokens sits in {-(-n // bs)} blocks of {bs}, not {len(blocks)}")
         if not _is_int(first_token) or not 0 <= first_token < self.model.config.vocab_size:
             raise InputError(f"first token {short_repr(first_token)} is not an id of this model's vocabulary")
+        req = self._new_request(item)
+        self.scheduler.check(req)  # one that could never run here (its decode outgrows the pool) is refused now
         with self._all_or_nothing():
-            req = self._new_request(item)
             req.blocks, req.slot_indices = list(blocks), [b * bs + i for b in blocks for i in range(bs)]
             req.cur_len, req.state = n, State.RUNNING
             self.requests[req.request_id] = req

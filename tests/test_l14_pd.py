@@ -239,7 +239,7 @@ def test_a_prompt_the_decode_rank_holds_whole_moves_no_block():
 
 # ---------------------------------------------------------------- two processes: faults at the door
 
-def torchrun_with_rank1_options(extra: list[str], tmp_path) -> tuple[int, str]:
+def torchrun_with_rank1_options(extra: list[str], tmp_path, argv=("--max-new-tokens", "4")) -> tuple[int, str]:
     """torchrun as above, rank 1 started with `extra` options more than rank 0 (through a wrapper
     script: torchrun gives every rank the same arguments)."""
     from probes_l14 import SMOKE
@@ -249,7 +249,7 @@ def torchrun_with_rank1_options(extra: list[str], tmp_path) -> tuple[int, str]:
                        f"if os.environ.get('RANK') == '1':\n    sys.argv += {extra!r}\n"
                        f"sys.argv[0] = {str(SMOKE)!r}\n"
                        f"runpy.run_path({str(SMOKE)!r}, run_name='__main__')\n")
-    done = torchrun_smoke(["--max-new-tokens", "4"], script=wrapper)
+    done = torchrun_smoke(list(argv), script=wrapper)
     return done["status"], done["stdout"] + done["stderr"]
 
 
@@ -285,3 +285,23 @@ def test_a_short_transfer_timeout_does_not_cut_start_up_short():
 def test_a_stalled_transfer_that_names_no_request_is_bad_input():
     status, output, _ = torchrun(["--stall-transfer", "99"])
     assert status != 0 and door_errors(output, "--stall-transfer 99: the run has requests 0 to 4"), output[-3000:]
+
+
+def test_a_decode_pool_full_for_ten_transfer_timeouts_is_backpressure_and_loses_no_request(tmp_path):
+    """Five prompts of 113 tokens (8 blocks), nothing shared, 150 new tokens; rank 1's pool (17
+    blocks) holds one request at its longest, and never two: each request after the first is told
+    "not now" until the one decoding finishes, about 150 steps, far longer than ten transfer
+    timeouts. The prefill rank keeps their blocks and asks again; every request still equals HF's
+    ids, none is lost, no block leaks."""
+    timeout, new = 0.05, 150
+    prompts = [[(7 * i + j) % 4000 + 10 for j in range(113)] for i in range(5)]
+    argv = ["--max-new-tokens", str(new), "--transfer-timeout", str(timeout), "--json"]
+    for prompt in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, prompt))]
+    status, output = torchrun_with_rank1_options(["--num-blocks", "17"], tmp_path, argv)
+    report = last_json(output)
+    assert status == 0 and report is not None, output[-3000:]
+    assert report["errors"] == 0 and report["all_blocks_free_at_end"] and report["not_now_replies"] > 0
+    assert report["longest_wait_for_room_s"] >= 10 * timeout, report["longest_wait_for_room_s"]
+    from harness.smoke import DEFAULT_MODEL
+    assert all(r["ids"] == helpers.hf_ids(DEFAULT_MODEL, r["prompt_ids"], new) for r in report["requests"])
