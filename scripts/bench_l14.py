@@ -67,8 +67,8 @@ KV_HEAVY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num
 
 TURN_COLUMNS = ["tier", "prompt tokens computed", "tokens loaded", "blocks from CPU", "blocks from files",
                 "MB loaded", "MB saved", "2nd-turn TTFT ms", "run s", "ids = HF"]
-LOAD_COLUMNS = ["model", "bytes/block", "prefix tokens", "compute ms", "from CPU ms", "from files ms",
-                "compute us/block", "CPU us/block", "files us/block", "files cost more"]
+LOAD_COLUMNS = ["model", "bytes/block", "prefix tokens", "16 tokens alone ms", "compute ms", "from CPU ms",
+                "from files ms", "files cost more"]
 PD_COLUMNS = ["layout", "decode tok/s", "ITL mean ms", "ITL p99 ms", "decode steps with prefill rows",
               "blocks sent", "MB sent", "send us per block", "ids = HF"]
 
@@ -169,7 +169,9 @@ def first_token_seconds(model, prompt: list[int], store_factory, repeat: int) ->
 
 def load_rows(model_dirs: dict[str, Path], tmp: Path, repeat: int) -> list[dict]:
     """Per prefix: time to the first token (the prefix computed, or loaded, then 16 tokens computed),
-    and per block of prefix: that time less the time of the 16 tokens alone, over the blocks."""
+    beside the time of the 16 tokens alone: raw times, each the best of `repeat`. (A difference of
+    two such minima, per block, is noise at short prefixes; crossover_sentence takes it only at the
+    longest.)"""
     rows = []
     for name, model_dir in model_dirs.items():
         model = load_engine_model(model_dir)
@@ -182,12 +184,10 @@ def load_rows(model_dirs: dict[str, Path], tmp: Path, repeat: int) -> list[dict]
                      "cpu": first_token_seconds(model, prompt, lambda: make_store(blocks + 2), repeat),
                      "files": first_token_seconds(model, prompt, lambda: TieredStore([FileTier(blocks + 2, tmp / "f")]),
                                                   repeat)}
-            per_block = {k: 1e6 * max(v - tail, 0.0) / blocks for k, v in times.items()}
             rows.append({"model": name, "bytes/block": bytes_per_block(model.config, BS, model.dtype),
-                         "prefix tokens": prefix, "compute ms": 1e3 * times["compute"],
-                         "from CPU ms": 1e3 * times["cpu"], "from files ms": 1e3 * times["files"],
-                         "compute us/block": per_block["compute"], "CPU us/block": per_block["cpu"],
-                         "files us/block": per_block["files"],
+                         "prefix tokens": prefix, "16 tokens alone ms": 1e3 * tail,
+                         "compute ms": 1e3 * times["compute"], "from CPU ms": 1e3 * times["cpu"],
+                         "from files ms": 1e3 * times["files"],
                          "files cost more": "yes" if times["files"] > times["compute"] else "no"})
     return rows
 
@@ -234,7 +234,9 @@ def pd_rows(model_dir: Path, tmp: Path) -> list[dict]:
     items = pd_workload(model.config.vocab_size)
     expected = [hf.hf_greedy(hf_model, w.prompt_ids, w.max_new_tokens) for w in items]
     num_blocks = sum(-(-(len(w.prompt_ids) + w.max_new_tokens) // BS) for w in items)
-    # one process: L5's mixed steps (prefill chunks of 256 beside the decodes)
+    # one process: L5's mixed steps (prefill chunks of 256 beside the decodes), on as many threads as
+    # the two ranks have between them: equal cores
+    torch.set_num_threads(2)
     engine = make_offload_engine(model, num_blocks, BS)
     for item in items:
         engine.add_request(item)
@@ -244,9 +246,10 @@ def pd_rows(model_dir: Path, tmp: Path) -> list[dict]:
         record = engine.step()
         steps.append((time.perf_counter() - t, record.decode_tokens, record.prefill_tokens))
     one_s = time.perf_counter() - start
+    torch.set_num_threads(1)
     one_ids = [r.output_ids for r in engine.requests.values()]
     one_lat = token_latencies([(s, d) for s, d, _ in steps])
-    rows = [{"layout": "one process, mixed steps", "decode tok/s": len(one_lat) / one_s,
+    rows = [{"layout": "one process of 2 threads, mixed steps", "decode tok/s": len(one_lat) / one_s,
              "ITL mean ms": 1e3 * statistics.fmean(one_lat), "ITL p99 ms": 1e3 * _p99(one_lat),
              "decode steps with prefill rows": f"{sum(1 for _, d, p in steps if d and p)}/{sum(1 for _, d, _ in steps if d)}",
              "blocks sent": "-", "MB sent": "-", "send us per block": "-",
@@ -262,7 +265,7 @@ def pd_rows(model_dir: Path, tmp: Path) -> list[dict]:
     prefill = json.loads(Path(out + ".rank0").read_text())
     decode = json.loads(Path(out + ".rank1").read_text())
     lat = token_latencies([tuple(s) for s in decode["steps"]])
-    rows.append({"layout": "prefill rank 0, decode rank 1", "decode tok/s": len(lat) / decode["seconds"],
+    rows.append({"layout": "prefill rank 0 + decode rank 1, 1 thread each", "decode tok/s": len(lat) / decode["seconds"],
                  "ITL mean ms": 1e3 * statistics.fmean(lat), "ITL p99 ms": 1e3 * _p99(lat),
                  "decode steps with prefill rows": f"0/{sum(1 for _, d in decode['steps'] if d)}",
                  "blocks sent": prefill["blocks_sent"], "MB sent": prefill["bytes_sent"] / 1e6,
@@ -277,17 +280,22 @@ def crossover_sentence(loads: list[dict]) -> str:
     """What the load-or-recompute table says about where files stop paying, in numbers from it."""
     crossed = [r for r in loads if r["files cost more"] == "yes"]
     longest = [r for r in loads if r["prefix tokens"] == max(x["prefix tokens"] for x in loads)]
-    rates = [r["bytes/block"] / r["files us/block"] for r in longest if r["files us/block"] > 0]  # bytes/us = MB/s
+
+    def per_block_us(row, column):  # at the longest prefix only, where the difference is well above noise
+        return 1e3 * (row[column] - row["16 tokens alone ms"]) / (row["prefix tokens"] // BS)
+
+    files = [per_block_us(r, "from files ms") for r in longest]
+    compute = [per_block_us(r, "compute ms") for r in longest]
+    rates = [r["bytes/block"] / us for r, us in zip(longest, files) if us > 0]  # bytes/us = MB/s
     rate = f"{min(rates):,.0f}-{max(rates):,.0f} MB/s" if rates else "too fast to measure"
     if crossed:
         where = "; ".join(f"{r['model']} at {r['prefix tokens']} tokens" for r in crossed)
         head = f"Loading from files cost more than computing in {len(crossed)} row(s): {where}."
     else:
-        head = (f"No row crosses on this machine: the dearest file load per block "
-                f"({max(r['files us/block'] for r in loads):,.0f} us) is below the cheapest recompute per block "
-                f"({min(r['compute us/block'] for r in loads):,.0f} us), because a CPU computes slowly.")
-    return (head + f" Files (from the page cache, through Python, one file per block) were read at {rate} at the "
-            "longest prefix. Loading from files costs more than computing on a device that computes a block faster "
+        head = (f"No row crosses on this machine. At the longest prefix, less the 16 tokens alone, a block "
+                f"costs {min(files):,.0f}-{max(files):,.0f} us to load from files and {min(compute):,.0f}-"
+                f"{max(compute):,.0f} us to compute: a CPU computes slowly.")
+    return (head + f" Files (from the page cache, through Python, one file per block) were read at {rate} there. Loading from files costs more than computing on a device that computes a block faster "
             "than it reads one: Qwen3-8B in bf16 on an H100 computes 16 tokens in about 320 us (16 GFLOP each at "
             "800 TFLOP/s) and a block is 2.36 MB, which a file tier at the rate above needs several milliseconds to "
             "read: there files lose, and an NVMe drive at 5-7 GB/s (0.3-0.5 ms) is about even.")
@@ -332,7 +340,9 @@ def main(argv=None) -> int:
                 + markdown_table(loads, LOAD_COLUMNS) + "\n\n" + crossover_sentence(loads)
                 + "\n\n**Prefill and decode in two processes** (gloo on this machine, one thread per rank; 24 "
                 "requests of a 128-token shared system prompt + 172-272 tokens, 48 new, one arriving per step) "
-                "against one process running L5's mixed steps with one thread:\n\n"
+                "against one process running L5's mixed steps with two threads (the same two cores). "
+                "\"send us per block\" is the prefill rank's time in sends over the blocks sent; its sends run "
+                "inside its steps:\n\n"
                 + markdown_table(split, PD_COLUMNS + ["blocks held, not sent", "decode rank prompt tokens computed"]))
         replace_section(args.markdown, "bench_l14", text)
     ok = all(r["ids = HF"].split("/")[0] == r["ids = HF"].split("/")[1] for r in turns + split)
