@@ -288,13 +288,13 @@ def test_a_stalled_transfer_that_names_no_request_is_bad_input():
 
 
 def test_a_decode_pool_full_for_ten_transfer_timeouts_is_backpressure_and_loses_no_request(tmp_path):
-    """Five prompts of 113 tokens (8 blocks), nothing shared, 150 new tokens; rank 1's pool (17
-    blocks) holds one request at its longest, and never two: each request after the first is told
-    "not now" until the one decoding finishes, about 150 steps, far longer than ten transfer
-    timeouts. The prefill rank keeps their blocks and asks again; every request still equals HF's
-    ids, none is lost, no block leaks."""
-    timeout, new = 0.05, 150
-    prompts = [[(7 * i + j) % 4000 + 10 for j in range(113)] for i in range(5)]
+    """Three prompts of 140 tokens (9 blocks), nothing shared, 120 new tokens; rank 1's pool (17
+    blocks) holds one request at its longest, and never two prompts: each request after the first
+    is told "not now" until the one decoding finishes, about 120 steps, far longer than ten
+    transfer timeouts. The prefill rank keeps their blocks and asks again; every request still
+    equals HF's ids, none is lost, no block leaks."""
+    timeout, new = 0.05, 120
+    prompts = [[(7 * i + j) % 4000 + 10 for j in range(140)] for i in range(3)]
     argv = ["--max-new-tokens", str(new), "--transfer-timeout", str(timeout), "--json"]
     for prompt in prompts:
         argv += ["--prompt-ids", ",".join(map(str, prompt))]

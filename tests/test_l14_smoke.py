@@ -68,7 +68,7 @@ def test_a_second_run_on_a_persistent_tier_dir_loads_the_first_runs_blocks_and_s
     """Three processes, one --tier-dir: the second finds the first's blocks at start and loads more
     of them than the first could (its turns 1 too); before the third, five block files are zeroed
     (their headers intact): it recomputes those, loads the rest, and still PASSes."""
-    argv = ["--tier", "file", "--tier-dir", str(tmp_path), "--max-new-tokens", "6"]
+    argv = ["--tier", "file", "--tier-dir", str(tmp_path), "--max-new-tokens", "2"]
     first, second = smoke_in_a_new_process(argv), smoke_in_a_new_process(argv)
     assert first["match"] is True and second["match"] is True and first["file_blocks_found_at_open"] == 0
     assert second["file_blocks_found_at_open"] > 0 and second["tokens_loaded"] > first["tokens_loaded"]
