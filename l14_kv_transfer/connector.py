@@ -163,7 +163,8 @@ class OffloadConnector(KvConnector):
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> int:
         """Prompt tokens past the `num_computed_tokens` the device already holds whose blocks the
         store holds: whole blocks, a run from the first missing one, never the block of the
-        request's last token (it must be computed to give logits). Changes nothing."""
+        request's last token (it must be computed to give logits). Changes nothing. The store
+        knows blocks by this connector's keys (`store_keys`), not by L8's plain ones."""
         # BEGIN SOLUTION
         bs = self.block_size
         if num_computed_tokens % bs:
@@ -185,7 +186,8 @@ class OffloadConnector(KvConnector):
 
     def build_connector_meta(self, plan) -> ConnectorMeta:
         """This step's work: the loads promised for requests in the plan, and (write-through) a save
-        for every block the forward fills completely that the store does not hold yet."""
+        for every block the forward fills completely that the store does not hold yet, under the
+        store's key for it (`store_keys`)."""
         # BEGIN SOLUTION
         meta = ConnectorMeta()
         bs = self.block_size

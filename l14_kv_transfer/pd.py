@@ -321,8 +321,9 @@ def receive(engine, header: Header, held: list[int], fresh: list[int], payload: 
     the wire) is the K/V of the blocks this pool lacked, in order, for the `fresh` blocks
     plan_receive gave it; `held` are the leading blocks it already had. Returns the engine's
     request, running from the prefill rank's first token (`engine.adopt_running`), its blocks
-    `held + fresh`. A payload that is not exactly `len(fresh)` blocks of this pool raises
-    TransferError, and then nothing was written or adopted."""
+    `held + fresh`. A payload that is not exactly `len(fresh)` blocks of this pool (uint8 bytes,
+    `bytes_per_block` of them a block) raises TransferError, and then nothing was written or
+    adopted."""
     # BEGIN SOLUTION
     expected = len(fresh) * engine.pool.bytes_per_block(engine.model.config, engine.alloc.block_size,
                                                         engine.model.dtype)
