@@ -54,7 +54,7 @@ def interruption(signum: int | None = None) -> str:
 
 
 def _exit_interrupted(signum, frame) -> None:
-    print(f"error: {interruption(signum)} while starting; nothing was run", file=sys.stderr, flush=True)
+    say_error(f"{interruption(signum)} while starting; nothing was run")
     os._exit(2)
 
 

@@ -9,6 +9,6 @@ from .tiers import BlockLoadError, CpuTier, FileTier, LruTier, TieredStore
 
 __all__ = [
     "MODES", "ConnectorCounters", "ConnectorMeta", "KvConnector", "LoadJob", "OffloadConnector", "block_shape",
-    "kv_identity", "read_block", "write_block", "OffloadBlockAllocator", "OffloadEngine", "OffloadRequest", "OffloadScheduler",
-    "make_offload_engine", "make_store", "BlockLoadError", "CpuTier", "FileTier", "LruTier", "TieredStore",
+    "kv_identity", "read_block", "write_block", "OffloadBlockAllocator", "OffloadEngine", "OffloadRequest",
+    "OffloadScheduler", "make_offload_engine", "make_store", "BlockLoadError", "CpuTier", "FileTier", "LruTier", "TieredStore",
 ]

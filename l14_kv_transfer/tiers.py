@@ -169,9 +169,13 @@ class FileTier(LruTier):
         return key in self.order and self.path(key).is_file()
 
     def put(self, key, kv):
-        if len(self.order) >= self.capacity:  # this put evicts: first forget blocks another process deleted
-            for gone in [k for k in self.order if not self.path(k).is_file()]:
-                del self.order[gone]
+        # The block this put evicts is read to go one tier down; if another process deleted its file,
+        # forget it (and the next oldest, while gone) instead: one look at the folder, not one a block.
+        while self.capacity and len(self.order) >= self.capacity and key not in self.order:
+            oldest = next(iter(self.order))
+            if self.path(oldest).is_file():
+                break
+            del self.order[oldest]
         return super().put(key, kv)
 
     def _index_folder(self) -> int:

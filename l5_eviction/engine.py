@@ -22,7 +22,7 @@ import torch
 
 from l1_contiguous import InputError
 from l1_contiguous.errors import short_repr
-from l2_paged import BlockAllocator
+from l2_paged import BlockAllocator, blocks_needed
 from l2_paged.allocator import check_pool_shape
 from l3_block_kernel import BlockKvPool
 
@@ -120,8 +120,8 @@ class Engine:
         self._finish_rollback()
         self._check_item(item)
         n, bs = len(item.prompt_ids), self.alloc.block_size
-        if len(blocks) != -(-n // bs):
-            raise InputError(f"a prompt of {n} tokens sits in {-(-n // bs)} blocks of {bs}, not {len(blocks)}")
+        if len(blocks) != blocks_needed(n, bs):
+            raise InputError(f"a prompt of {n} tokens sits in {blocks_needed(n, bs)} blocks of {bs}, not {len(blocks)}")
         if not _is_int(first_token) or not 0 <= first_token < self.model.config.vocab_size:
             raise InputError(f"first token {short_repr(first_token)} is not an id of this model's vocabulary")
         req = self._new_request(item)
