@@ -71,6 +71,17 @@ def exit_interrupted(message: str) -> None:
     os._exit(2)
 
 
+def exit_now(status: int) -> None:
+    """Exit with `status` at once, output flushed, without the interpreter's teardown: for a process
+    whose other threads may sit in a C call that teardown would abort under (a gloo receive)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 def guard_startup() -> None:
     """From here until `run_main` starts the work, Ctrl-C (or SIGTERM) ends the process at once
     with one line and exit 2: for scripts whose heavy imports follow at module level."""

@@ -39,7 +39,8 @@ def hybrid_hit_blocks(keys: list[bytes], groups: list[KvCacheGroup], alloc: Pref
                       block_size: int) -> int:
     """How many of the prompt's leading full blocks (keys, L8's chained keys, first to last) a
     request may take from the cache: the largest h such that every block the next token reads,
-    in every group, is cached (`alloc.block_of` holds group_key(g, key) for it).
+    in every group, is cached (`alloc.lookup` finds it under group_key(g, key); the allocator is
+    asked through `lookup` only, since one may keep its keys within a tag of its own, as L12's does).
 
     Contract: full groups need blocks 0..h-1; a sliding group needs only the blocks holding
     positions first_needed_position(W, h * block_size) .. h * block_size - 1; h = 0 always
@@ -54,7 +55,8 @@ def hybrid_hit_blocks(keys: list[bytes], groups: list[KvCacheGroup], alloc: Pref
     def window_cached(h: int) -> bool:
         for g, group in enumerate(groups):
             first = first_needed_position(group.window, h * block_size) // block_size
-            if group.is_sliding and any(group_key(g, key) not in alloc.block_of for key in keys[first:h]):
+            needed = [group_key(g, key) for key in keys[first:h]]
+            if group.is_sliding and len(alloc.lookup(needed)) < len(needed):
                 return False
         return True
 
@@ -77,7 +79,7 @@ def attach_cached_prefix(req: HybridRequest, keys: list[bytes], h: int, groups: 
     bs, tables = alloc.block_size, []
     for g, group in enumerate(groups):
         first = first_needed_position(group.window, h * bs) // bs
-        tables.append([NULL_BLOCK] * first + [alloc.block_of[group_key(g, key)] for key in keys[first:h]])
+        tables.append([NULL_BLOCK] * first + alloc.lookup([group_key(g, key) for key in keys[first:h]]))
     held = [b for table in tables for b in table if b != NULL_BLOCK]
     alloc.acquire(held)
     set_tables(req, tables if h else ())

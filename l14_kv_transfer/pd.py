@@ -1,41 +1,29 @@
 """Prefill and decode in two processes: rank 0 prefills, rank 1 decodes, blocks move between pools.
 
-Per request, over torch.distributed point-to-point (gloo; every message is matched by tag):
+What moves and where it lands is here; how the bytes travel (gloo or NCCL, the threads that keep
+both engines computing while K/V is on the wire) is transport.py's. Per request: rank 0 prefills
+and samples the first token; its header (prompt, first token, block keys) reaches rank 1, which
+answers with how many leading blocks it already holds (`plan_receive`: shared by key), or "not now"
+while its pool has no room (backpressure: rank 0 keeps the blocks, goes on prefilling others and
+asks again), or "never" (the request cannot fit); rank 0 sends the K/V of the blocks rank 1 lacks,
+and rank 1 writes them into its own block ids and adopts the request, which decodes there
+(`receive`).
 
-    rank 0 (prefill)                                rank 1 (decode)
-    prefill, sample the first token
-    header [kind, index, prompt_len, first token, ──► plan_receive: the leading blocks it already
-      blocks, full blocks, finished, max_new]          holds by key (shared), fresh ones for the
-    prompt ids, keys of the full blocks          ──►   rest (-1: it can never fit; -2: not now)
-                                                 ◄── how many leading blocks it holds
-    K/V of the blocks it lacks (one tensor)      ──► receive: written into its own fresh block
-    its blocks freed (cached for later prompts)        ids, adopted, the request decodes
-    (on "not now": its blocks kept, asked again
-     later, prefilling the others meanwhile)
-    ...
-    header with kind END                         ──► nothing more will come
-
-Every gloo call on the decode side runs on one receiver thread, so the engine keeps decoding while a
-transfer is in flight; the main loop gives each transfer a deadline. A transfer that misses it ends
-its request with an error and frees its blocks (a late payload lands in a buffer nobody reads: its
-tag is its own); a prefill rank that dies closes the connection, and every request it still owed
-ends with an error while the ones already received finish. A decode pool with no room is
-backpressure, not a fault: its "not now" keeps every gloo call short however long the pool stays
-full, so no timeout mistakes it for a dead peer.
+The decode loop gives each transfer a deadline. A transfer that misses it ends its request with an
+error and frees its blocks (a late payload lands in a buffer nobody reads: its tag is its own); a
+prefill rank that dies closes the connection, and every request it still owed ends with an error
+while the ones already received finish. A decode pool with no room is backpressure, not a fault:
+its "not now" keeps every gloo call short however long the pool stays full, so no timeout mistakes
+it for a dead peer.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from l1_contiguous import InputError
 from l2_paged import OutOfBlocksError, blocks_needed
@@ -44,140 +32,8 @@ from l5_eviction.lifecycle import State
 from l8_prefix import chain_keys
 
 from .connector import KvConnector, read_block, write_block
-from .tiers import KEY_BYTES
-
-PREFILL_RANK, DECODE_RANK = 0, 1
-NOT_NOW_WAIT_S, MAX_NOT_NOW_WAIT_S = 0.01, 0.2  # the prefill rank's backoff while the decode rank is full
-HEADER, REPLY, PAYLOAD_BASE = 0, 1, 100  # tags; a payload's tag is PAYLOAD_BASE + the request's index
-KIND_END, KIND_REQUEST = 0, 1
-HEADER_LEN = 8
-REFUSED = -1  # the decode side's reply when the request can never fit its pool
-NOT_NOW = -2  # its reply when the request does not fit now: ask again later (backpressure, not an error)
-
-
-def short_reason(exc: BaseException) -> str:
-    """gloo's error in one short line: its first sentence, without the source path in brackets."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    text = text.split(". This is typically")[0]
-    return f"{type(exc).__name__}: {text.split('] ', 1)[-1] if text.startswith('[') else text}"
-
-
-class PeerLostError(RuntimeError):
-    """The other rank closed the connection or did not answer in time."""
-
-
-class TransferError(RuntimeError):
-    """What arrived for a request is not what its header announced."""
-
-
-@dataclass
-class Header:
-    index: int
-    prompt_ids: list[int]
-    first_token: int
-    num_blocks: int  # blocks holding the prompt's K/V, the partial last one included
-    keys: list[bytes]  # keys of its full blocks
-    finished: bool  # the first token ended it (eos, or max_new_tokens 1): no K/V to send
-    max_new_tokens: int
-
-
-@dataclass
-class DataPath:
-    """Where K/V payloads travel. gloo (the default group): through host memory, each payload with a
-    tag of its own. NCCL (a second group, one GPU per rank): device to device; NCCL has no tags, but
-    a pair's messages arrive in order and each side sends and receives them in protocol order."""
-
-    group: object = None  # None: the default (gloo) group
-    device: str = "cpu"  # where payload tensors live
-
-    def send(self, payload: torch.Tensor, peer: int, tag: int) -> None:
-        if self.group is None:
-            dist.send(payload, peer, tag=tag)
-        else:
-            dist.send(payload, peer, group=self.group)
-
-    def recv(self, payload: torch.Tensor, peer: int, tag: int) -> None:
-        if self.group is None:
-            dist.recv(payload, peer, tag=tag)
-            return
-        torch.cuda.set_device(payload.device)  # the current device is per thread
-        dist.recv(payload, peer, group=self.group)
-        torch.cuda.current_stream(payload.device).synchronize()  # arrived before anyone reads it
-
-
-START_TIMEOUT_S = 120.0  # for the ranks to meet: loading a model may take a while on either side
-
-
-def init_group(transfer_timeout_s: float, backend: str = "gloo") -> DataPath:
-    """Join the two-process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_*): gloo for
-    the control messages, and for the payloads gloo or (one GPU per rank) NCCL. gloo's own timeout
-    is generous (START_TIMEOUT_S, or 4 transfer timeouts if longer): it covers start-up, where a
-    rank may still be loading its model, and a peer that hangs without closing its connection; a
-    transfer's deadline is the decode side's own, much shorter."""
-    timeout = datetime.timedelta(seconds=max(START_TIMEOUT_S, 4 * transfer_timeout_s))
-    if backend == "nccl":
-        if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "2")):
-            raise InputError("--dist-backend nccl needs one GPU per rank; with fewer use gloo (K/V staged "
-                             "through host memory)")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    elif backend != "gloo":
-        raise InputError(f"unknown --dist-backend {backend!r}; choose gloo or nccl")
-    dist.init_process_group("gloo", timeout=timeout)
-    if backend == "nccl":
-        return DataPath(dist.new_group(backend="nccl", timeout=timeout), f"cuda:{torch.cuda.current_device()}")
-    return DataPath()
-
-
-def agree_on_config(config: dict) -> None:
-    """Both ranks call this once, right after init_group, with what must be equal on both sides
-    (the model's identity, dtype, block size, the workload): InputError on both, naming the first
-    difference, before any K/V moves. The configs cross as JSON text, never as pickles: a rank
-    does not run what its peer sends."""
-    mine = torch.frombuffer(bytearray(json.dumps(config, sort_keys=True).encode()), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
-    dist.all_gather(sizes, torch.tensor([mine.numel()]))
-    longest = int(max(sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:mine.numel()] = mine
-    both = [torch.zeros(longest, dtype=torch.uint8) for _ in range(2)]
-    dist.all_gather(both, padded)
-    configs = [json.loads(t[:int(n)].numpy().tobytes()) for t, n in zip(both, sizes)]
-    for key in config:
-        if configs[0].get(key) != configs[1].get(key):
-            raise InputError(f"the two ranks were started differently: {key} is {configs[0].get(key)} on rank 0 "
-                             f"and {configs[1].get(key)} on rank 1; start both with the same options")
-
-
-# ---------------------------------------------------------------- the wire
-
-def send_header(h: Header, peer: int) -> None:
-    dist.send(torch.tensor([KIND_REQUEST, h.index, len(h.prompt_ids), h.first_token, h.num_blocks, len(h.keys),
-                            int(h.finished), h.max_new_tokens], dtype=torch.int64), peer, tag=HEADER)
-    dist.send(torch.tensor(h.prompt_ids, dtype=torch.int64), peer, tag=HEADER)
-    if h.keys:
-        dist.send(torch.frombuffer(bytearray(b"".join(h.keys)), dtype=torch.uint8), peer, tag=HEADER)
-
-
-def send_end(peer: int) -> None:
-    dist.send(torch.zeros(HEADER_LEN, dtype=torch.int64), peer, tag=HEADER)
-
-
-def recv_header(peer: int) -> Header | None:
-    """The next header, or None at the end of the stream."""
-    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    dist.recv(head, peer, tag=HEADER)
-    kind, index, prompt_len, first, num_blocks, num_keys, finished, max_new = head.tolist()
-    if kind == KIND_END:
-        return None
-    ids = torch.zeros(prompt_len, dtype=torch.int64)
-    dist.recv(ids, peer, tag=HEADER)
-    keys = []
-    if num_keys:
-        raw = torch.zeros(num_keys * KEY_BYTES, dtype=torch.uint8)
-        dist.recv(raw, peer, tag=HEADER)
-        data = raw.numpy().tobytes()
-        keys = [data[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(num_keys)]
-    return Header(index, ids.tolist(), first, num_blocks, keys, bool(finished), max_new)
+from .transport import (DECODE_RANK, NOT_NOW, PAYLOAD_BASE, PREFILL_RANK, REFUSED, DataPath, Header, Receiver,
+                        Sender, TransferError, ask)
 
 
 def pack_blocks(pool, blocks: list[int], device: str = "cpu") -> torch.Tensor:
@@ -198,71 +54,59 @@ def unpack_blocks(pool, payload: torch.Tensor, num_blocks: int) -> torch.Tensor:
 # ---------------------------------------------------------------- rank 0: prefill and send
 
 class PdSendConnector(KvConnector):
-    """Prefill side: a finished request's blocks are kept (`request_finished` says so) until they
-    have been sent; `get_finished` sends what is queued and names the requests whose blocks may go."""
+    """Prefill side: a finished request's blocks are kept (`request_finished` says so) and handed to
+    a sender thread (transport.Sender); `get_finished` names the requests whose blocks may go: those
+    whose K/V has been copied out of the pool for the wire (or was refused). The engine's step never
+    waits for the wire."""
 
     def __init__(self, pool, block_size: int, max_new_of: dict[int, int], peer: int = DECODE_RANK,
                  stall: dict[int, float] | None = None, on_sent=None, data: DataPath | None = None):
         super().__init__()
         self.pool, self.block_size, self.max_new_of, self.peer = pool, block_size, max_new_of, peer
         self.data = data or DataPath()
-        self.stall = stall or {}  # request index -> seconds to wait before its K/V (a fault to inject)
-        self.on_sent = on_sent  # callable(index, blocks sent, bytes sent), e.g. to print progress
-        self.queued: list = []
+        self.stall = stall or {}  # request index -> seconds its payload is held back (a fault to inject)
+        self.on_sent = on_sent  # callable(index, blocks in its table, bytes sent so far), e.g. to print progress
+        self.sender = Sender(self.offer, lambda req: req.request_id)
         self.blocks_sent = self.bytes_sent = self.blocks_skipped = self.not_now = 0
         self.send_seconds = 0.0
 
     def request_finished(self, req) -> bool:
-        self.queued.append(req)
+        self.sender.put(req)
         return True
 
     def get_finished(self) -> set[int]:
-        """Send the queued requests in order; stop at one the decode side has no room for yet (it
-        stays queued, and so do those after it, for a later step). The ids sent (or refused)."""
-        done = set()
-        while self.queued:
-            if not self.send(self.queued[0]):
-                break
-            done.add(self.queued.pop(0).request_id)
-        return done
+        return self.sender.take_done()
 
-    def send(self, req) -> bool:
-        """False: the decode rank said "not now"; the request keeps its blocks and is asked about again."""
-        try:
-            return self._send(req)
-        except RuntimeError as exc:  # gloo: connection closed, or no answer within its timeout
-            raise PeerLostError(f"lost the decode rank while sending request {req.request_id} "
-                                f"({short_reason(exc)})") from None
-
-    def _send(self, req) -> bool:
+    def offer(self, req) -> bool:
+        """On the sender thread: the header, then (unless refused) the K/V of the blocks the decode
+        rank lacks. False: it said "not now"; the request keeps its blocks and is offered again."""
         start = time.perf_counter()
-        first = req.output_ids[0]
-        finished = req.finish_reason in ("eos", "stop") or self.max_new_of[req.request_id] == 1
-        keys = chain_keys(req.prompt_ids, self.block_size)
-        header = Header(req.request_id, req.prompt_ids, first, len(req.blocks), keys, finished,
-                        self.max_new_of[req.request_id])
-        send_header(header, self.peer)
-        if not finished:
-            reply = torch.zeros(1, dtype=torch.int64)
-            dist.recv(reply, self.peer, tag=REPLY)
-            held = int(reply)
-            if held == NOT_NOW:
-                self.not_now += 1
-                self.send_seconds += time.perf_counter() - start
-                return False
-            if held != REFUSED:
-                missing = req.blocks[held:]
-                payload = pack_blocks(self.pool, missing, self.data.device)
-                time.sleep(self.stall.get(req.request_id, 0))
-                if missing:
-                    self.data.send(payload, self.peer, PAYLOAD_BASE + req.request_id)
-                self.blocks_sent += len(missing)
-                self.blocks_skipped += held
-                self.bytes_sent += payload.numel()
+        max_new = self.max_new_of[req.request_id]
+        finished = req.finish_reason in ("eos", "stop") or max_new == 1
+        header = Header(req.request_id, req.prompt_ids, req.output_ids[0], len(req.blocks),
+                        chain_keys(req.prompt_ids, self.block_size), finished, max_new)
+        held = ask(header, self.peer)
+        missing = req.blocks[held:] if held >= 0 and not finished else []
+        payload = pack_blocks(self.pool, missing, self.data.device)  # a copy: the blocks may go now
+        self.not_now += held == NOT_NOW
+        self.blocks_sent += len(missing)
+        self.blocks_skipped += max(held, 0)
+        if held == NOT_NOW:
+            pass
+        elif req.request_id in self.stall and missing and not self.data.ordered:
+            self.sender.later(self.stall[req.request_id], lambda: self.send_payload(header, payload))
+        else:
+            time.sleep(self.stall.get(req.request_id, 0) if missing else 0)  # NCCL: in order, the ones behind wait too
+            self.send_payload(header, payload)
         self.send_seconds += time.perf_counter() - start
+        return held != NOT_NOW
+
+    def send_payload(self, header: Header, payload: torch.Tensor) -> None:
+        if payload.numel():  # none when refused, finished, or every block already held there
+            self.data.send(payload, self.peer, PAYLOAD_BASE + header.index)
+        self.bytes_sent += payload.numel()
         if self.on_sent is not None:
-            self.on_sent(req.request_id, header.num_blocks, self.bytes_sent)
-        return True
+            self.on_sent(header.index, header.num_blocks, self.bytes_sent)
 
 
 def prefill_items(items: list[WorkItem]) -> list[WorkItem]:
@@ -270,30 +114,30 @@ def prefill_items(items: list[WorkItem]) -> list[WorkItem]:
     return [WorkItem(list(w.prompt_ids), 1, w.arrival_step, w.priority, tuple(w.stop_token_ids)) for w in items]
 
 
-def run_prefill_rank(engine, items: list[WorkItem]) -> dict:
-    """Prefill every item on `engine` (an OffloadEngine whose connector is a PdSendConnector),
-    sending each as it finishes (each step ends with its finished requests sent: OffloadEngine.step);
-    then the end of the stream. While the decode rank has no room, the requests it is asked about
-    keep their blocks and this rank goes on prefilling the others; with nothing left to compute it
-    waits a little and asks again. Figures for the report."""
+def run_prefill_rank(engine, items: list[WorkItem], idle_wait_s: float = 0.005) -> dict:
+    """Prefill every item on `engine` (an OffloadEngine whose connector is a PdSendConnector): each
+    finished request goes to the sender thread and its blocks are freed once its K/V is copied out;
+    then the end of the stream. While the decode rank has no room, the requests it was offered keep
+    their blocks and this rank goes on prefilling the others. Figures for the report, with how much
+    of the computing happened while a transfer was on the wire."""
     connector = engine.connector
     for item in prefill_items(items):
         engine.add_request(item)
-    wait, busy = NOT_NOW_WAIT_S, 0.0
-    while engine.has_unfinished() or connector.queued:
-        start = time.perf_counter()
+    busy = busy_while_sending = 0.0
+    while engine.has_unfinished() or connector.sender.busy:
+        sending, start = connector.sender.in_transfer, time.perf_counter()
         record = engine.step() if engine.has_unfinished() else None
         if record is not None and record.prefill_tokens + record.decode_tokens:
             busy += time.perf_counter() - start
-            wait = NOT_NOW_WAIT_S
+            busy_while_sending += (time.perf_counter() - start) * (sending or connector.sender.in_transfer)
             continue
-        time.sleep(wait)  # nothing computed: the pool is full of blocks the decode rank has no room for yet
-        wait = min(2 * wait, MAX_NOT_NOW_WAIT_S)
+        time.sleep(idle_wait_s)  # nothing to compute: waiting for the sender (or for room on the decode rank)
         engine.release_finished()
-    send_end(connector.peer)
+    connector.sender.close(connector.peer)
     return {"blocks_sent": connector.blocks_sent, "blocks_not_sent_already_held": connector.blocks_skipped,
             "bytes_sent": connector.bytes_sent, "send_seconds": round(connector.send_seconds, 4),
             "not_now_replies": connector.not_now, "step_seconds_computing": round(busy, 4),
+            "step_seconds_while_sending": round(busy_while_sending, 4),
             "prefill_tokens_computed": engine.summary()["prefill_tokens_computed"]}
 
 
@@ -354,8 +198,6 @@ class DecodeRank:
         self.data = data or DataPath()
         self.outcomes = {i: DecodeOutcome(i) for i in range(num_expected)}
         self.requests: dict[int, object] = {}  # index -> engine request
-        self.inbox: queue.Queue = queue.Queue()  # from the receiver thread
-        self.decisions: queue.Queue = queue.Queue()  # to it: blocks to receive, or REFUSED
         self.pending: dict[int, tuple[float, Header, list[int], list[int]]] = {}  # index -> deadline, ...
         self.backlog: list[Header] = []  # headers waiting for this loop's answer
         self.stream_over = False
@@ -364,38 +206,18 @@ class DecodeRank:
         self.no_room_since: dict[int, float] = {}  # index -> when it was first told "not now"
         self.longest_wait_for_room = 0.0
         self.transfer_seconds: list[float] = []
+        self.received_past_a_late_one = 0  # payloads installed while an earlier request's was still due
         self.steps: list[tuple[float, int]] = []  # (seconds, tokens decoded) of each engine step
 
-    # the receiver thread: every gloo call of this rank
-    def _receive(self) -> None:
+    def run(self) -> dict[int, DecodeOutcome]:
         engine = self.engine
         block_bytes = engine.pool.bytes_per_block(engine.model.config, engine.alloc.block_size, engine.model.dtype)
-        try:
-            while True:
-                header = recv_header(self.peer)
-                self.inbox.put(("header", header))
-                if header is None:
-                    return
-                if header.finished:
-                    continue
-                held = self.decisions.get()
-                dist.send(torch.tensor([held], dtype=torch.int64), self.peer, tag=REPLY)
-                if held in (REFUSED, NOT_NOW):
-                    continue
-                n = header.num_blocks - held
-                payload = torch.empty(n * block_bytes, dtype=torch.uint8, device=self.data.device)
-                if n:
-                    self.data.recv(payload, self.peer, PAYLOAD_BASE + header.index)
-                self.inbox.put(("payload", header.index, payload))
-        except Exception as exc:  # the prefill rank is gone (connection closed) or silent past gloo's timeout
-            self.inbox.put(("lost", short_reason(exc)))
-
-    def run(self) -> dict[int, DecodeOutcome]:
-        threading.Thread(target=self._receive, daemon=True).start()
+        self.wire = Receiver(self.data, self.peer, block_bytes)
+        self.wire.start()
         while True:
             try:
                 # decoding: take only what is there; idle: wait a little for the next message
-                message = self.inbox.get(timeout=0 if self.engine.scheduler.running else 0.01)
+                message = self.wire.inbox.get(timeout=0 if self.engine.scheduler.running else 0.01)
                 self._handle(message)
                 continue
             except queue.Empty:
@@ -423,7 +245,7 @@ class DecodeRank:
                 self.stream_over = True
             elif self.lost:  # given up on already: its outcome stays an error
                 if not header.finished:
-                    self.decisions.put(REFUSED)
+                    self.wire.decisions.put(REFUSED)
             elif header.finished:
                 self.outcomes[header.index] = DecodeOutcome(header.index, [header.first_token], "length")
             else:
@@ -461,23 +283,24 @@ class DecodeRank:
             except OutOfBlocksError:
                 self.not_now += 1
                 self.no_room_since.setdefault(header.index, time.monotonic())
-                self.decisions.put(NOT_NOW)
+                self.wire.decisions.put(NOT_NOW)
                 continue
             waited = time.monotonic() - self.no_room_since.pop(header.index, time.monotonic())
             self.longest_wait_for_room = max(self.longest_wait_for_room, waited)
             self.pending[header.index] = (time.monotonic() + self.timeout, header, held, fresh)
             self.blocks_already_held += len(held)
-            self.decisions.put(len(held))
+            self.wire.decisions.put(len(held))
 
     def _refuse(self, header: Header, why: str) -> None:
         self.backlog.pop(0)
         self.outcomes[header.index] = DecodeOutcome(header.index, [], "error", why)
-        self.decisions.put(REFUSED)
+        self.wire.decisions.put(REFUSED)
 
     def _install(self, index: int, payload: torch.Tensor) -> None:
-        entry = self.pending.pop(index, None)
-        if entry is None:
+        if index not in self.pending:
             return  # it timed out meanwhile: its blocks are gone, and so is its request
+        self.received_past_a_late_one += next(iter(self.pending)) != index  # pending is in admission order
+        entry = self.pending.pop(index)
         deadline, header, held, fresh = entry
         try:
             self.requests[index] = receive(self.engine, header, held, fresh, payload)
@@ -518,6 +341,7 @@ class DecodeRank:
         s = self.engine.summary()
         return {"blocks_received": self.blocks_received, "bytes_received": self.bytes_received,
                 "blocks_already_held": self.blocks_already_held, "not_now_replies": self.not_now,
+                "received_past_a_late_one": self.received_past_a_late_one,
                 "longest_wait_for_room_s": round(self.longest_wait_for_room, 3),
                 "decode_prefill_tokens_computed": s["prefill_tokens_computed"] + s["tokens_recomputed"],
                 "errors": sum(o.finish_reason == "error" for o in self.outcomes.values())}

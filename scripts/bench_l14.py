@@ -56,7 +56,7 @@ from harness.tiny_models import make_random_model  # noqa: E402
 from l1_contiguous import load_config  # noqa: E402
 from l2_paged import bytes_per_block  # noqa: E402
 from l5_eviction import WorkItem, load_engine_model  # noqa: E402
-from l14_kv_transfer import FileTier, TieredStore, make_offload_engine, make_store, pd  # noqa: E402
+from l14_kv_transfer import FileTier, TieredStore, make_offload_engine, make_store, pd, transport  # noqa: E402
 
 BS = 16
 WIDE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
@@ -212,13 +212,13 @@ def pd_rank(model_dir: Path, out: str) -> int:
     items = pd_workload(model.config.vocab_size)
     num_blocks = sum(-(-(len(w.prompt_ids) + w.max_new_tokens) // BS) for w in items)
     engine = make_offload_engine(model, num_blocks, BS)
-    if rank == pd.PREFILL_RANK:
+    if rank == transport.PREFILL_RANK:
         connector = pd.PdSendConnector(engine.pool, BS, {i: w.max_new_tokens for i, w in enumerate(items)})
         engine.connector = engine.scheduler.connector = connector
-        pd.init_group(60)
+        transport.init_group(60)
         figures = pd.run_prefill_rank(engine, items)
     else:
-        pd.init_group(60)
+        transport.init_group(60)
         decode = pd.DecodeRank(engine, len(items), 60)
         start = time.perf_counter()
         outcomes = decode.run()
@@ -273,6 +273,9 @@ def pd_rows(model_dir: Path, tmp: Path) -> list[dict]:
                  "ids = HF": f"{sum(a == b for a, b in zip(decode['ids'], expected))}/{len(items)}"})
     rows[-1]["blocks held, not sent"] = prefill["blocks_not_sent_already_held"]
     rows[-1]["decode rank prompt tokens computed"] = decode["decode_prefill_tokens_computed"]
+    rows[-1]["prefill rank computing s"] = prefill["step_seconds_computing"]
+    rows[-1]["of it while a send was on the wire s"] = prefill["step_seconds_while_sending"]
+    rows[-1]["sender thread busy s"] = prefill["send_seconds"]
     return rows
 
 

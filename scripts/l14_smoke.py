@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # l8_smoke: the two-process form runs its workload
 
-from harness.cli import starting  # noqa: E402
+from harness.cli import exit_now, starting  # noqa: E402
 
 with starting():  # a Ctrl-C during these imports (a second or more) ends in one line, exit 2
     import l8_smoke  # noqa: E402
@@ -30,7 +30,7 @@ with starting():  # a Ctrl-C during these imports (a second or more) ends in one
     from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
     from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, engine_backend, load_engine_model  # noqa: E402
     from l14_kv_transfer import MODES, kv_identity, make_offload_engine, make_store  # noqa: E402
-    from l14_kv_transfer import pd  # noqa: E402
+    from l14_kv_transfer import pd, transport  # noqa: E402
 
 
 LESSON = "L14"
@@ -62,13 +62,14 @@ def add_options(parser):
     parser.add_argument("--transfer-timeout", type=float, default=30.0,
                         help="two processes: seconds the decode rank waits for a transfer's K/V before it ends "
                              "that request with an error (default 30); a rank that goes silent without closing "
-                             "its connection is given up after 4 times that")
+                             "its connection is given up after 4 times that, or 120 s if longer")
     parser.add_argument("--dist-backend", choices=["gloo", "nccl"], default="gloo",
                         help="two processes: how K/V payloads travel (default gloo, through host memory; nccl: "
                              "GPU to GPU, one GPU per rank). Control messages always go over gloo")
     parser.add_argument("--stall-transfer", type=int, default=None, metavar="INDEX",
                         help="two processes, a fault to watch: the prefill rank holds request INDEX's blocks "
-                             "back for --transfer-timeout + 1 s (that request ends with an error, the others pass)")
+                             "back for --transfer-timeout + 1 s (that request ends with an error, the others pass it and "
+                             "finish)")
 
 
 # The least each count may be: a tier may hold no blocks (it is off), the pool not (0 is no pool,
@@ -181,7 +182,7 @@ def pd_workload(args, setup) -> list[WorkItem]:
 
 
 def pd_config(args, engine, items: list[WorkItem]) -> dict:
-    """What both ranks must agree on (pd.agree_on_config), most telling first."""
+    """What both ranks must agree on (transport.agree_on_config), most telling first."""
     model = engine.model
     prompts = hashlib.blake2b(json.dumps([w.prompt_ids for w in items]).encode(), digest_size=8).hexdigest()
     return {"dtype": str(model.dtype).removeprefix("torch."), "block_size": args.block_size,
@@ -209,8 +210,8 @@ def run_decode_rank(args, setup) -> LessonRun:
     check_options(args)
     items = pd_workload(args, setup)
     engine = pd_engine(args, setup, items)
-    data = pd.init_group(args.transfer_timeout, args.dist_backend)
-    pd.agree_on_config(pd_config(args, engine, items))
+    data = transport.init_group(args.transfer_timeout, args.dist_backend)
+    transport.agree_on_config(pd_config(args, engine, items))
     rank = pd.DecodeRank(engine, len(items), args.transfer_timeout, data=data)
     outcomes = rank.run()
     engine.alloc.check()
@@ -245,13 +246,13 @@ def run_prefill_rank(argv=None) -> int:
         def sent(index, blocks, total):
             print(f"rank 0: sent request {index} ({blocks} blocks in its table; {total} bytes sent so far)", flush=True)
 
-        data = pd.init_group(args.transfer_timeout, args.dist_backend)
+        data = transport.init_group(args.transfer_timeout, args.dist_backend)
         engine = pd_engine(args, setup, items, lambda e: pd.PdSendConnector(e.pool, args.block_size, max_new,
                                                                             stall=stall, on_sent=sent, data=data))
-        pd.agree_on_config(pd_config(args, engine, items))
+        transport.agree_on_config(pd_config(args, engine, items))
         try:
             figures = pd.run_prefill_rank(engine, items)
-        except pd.PeerLostError as exc:
+        except transport.PeerLostError as exc:
             say_error(str(exc))
             return 2
         engine.alloc.check()
@@ -274,6 +275,9 @@ if __name__ == "__main__":
         print(f"error: the two-process form runs on exactly 2 ranks (torchrun --nproc-per-node 2), got {world}",
               file=sys.stderr)
         sys.exit(2)
-    if world == "2" and os.environ.get("RANK") == "0":
-        sys.exit(run_prefill_rank())
-    sys.exit(run_smoke(LESSON, __doc__, run, add_options))
+    if world == "1":
+        sys.exit(run_smoke(LESSON, __doc__, run, add_options))
+    status = run_prefill_rank() if os.environ.get("RANK") == "0" else run_smoke(LESSON, __doc__, run, add_options)
+    # Not sys.exit: a thread may still sit in a gloo call (the peer is gone, or a late payload is
+    # due), and tearing the process group down under it aborts the process (SIGABRT) after our line.
+    exit_now(status)

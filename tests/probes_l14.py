@@ -8,7 +8,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -128,9 +127,10 @@ def torchrun_smoke(argv: list[str], timeout: float = 240, script=SMOKE) -> dict:
     return {"status": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
 
 
-def kill_prefill_rank(argv: list[str], after: str, timeout: float = 120) -> dict:
-    """Start both ranks by hand (torchrun would take the decode rank down with the dead one),
-    SIGKILL rank 0 once it prints a line starting with `after`, and let rank 1 finish."""
+def signal_rank(argv: list[str], rank: int, signum: int, after: str, timeout: float = 120) -> dict:
+    """Start both ranks by hand (torchrun would stop the other rank as soon as one ends), send
+    `signum` to `rank` once rank 0 prints a line starting with `after`, and let both end. Each
+    rank's exit status and output; `seconds_after` is how long the last one took after the signal."""
     env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2"}
     command = [sys.executable, str(SMOKE), *argv]
@@ -138,21 +138,20 @@ def kill_prefill_rank(argv: list[str], after: str, timeout: float = 120) -> dict
                               stderr=subprocess.PIPE, text=True)
     prefill = subprocess.Popen(command, env={**env, "RANK": "0", "LOCAL_RANK": "0"}, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
-    seen, killed_at = [], None
+    seen, signalled_at = [], None
     try:
         for line in prefill.stdout:
             seen.append(line)
-            if line.startswith(after):
-                prefill.send_signal(signal.SIGKILL)
-                killed_at = time.monotonic()
-                break
+            if line.startswith(after) and signalled_at is None:
+                (prefill, decode)[rank].send_signal(signum)
+                signalled_at = time.monotonic()
         out, err = decode.communicate(timeout=timeout)
-        waited = time.monotonic() - killed_at if killed_at is not None else None
+        prefill.wait(timeout=timeout)
+        waited = time.monotonic() - signalled_at if signalled_at is not None else None
     finally:
         for proc in (prefill, decode):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-    return {"prefill_lines": seen, "killed": killed_at is not None, "seconds_after_kill": waited,
-            "status": decode.returncode, "stdout": out, "stderr": err}
-
+    return {"prefill_lines": seen, "signalled": signalled_at is not None, "seconds_after": waited,
+            "prefill_status": prefill.returncode, "status": decode.returncode, "stdout": out, "stderr": err}

@@ -1362,8 +1362,8 @@ MUTATIONS = [
     Mutation(
         "L13 attach_cached_prefix attaches every block of the prefix, the window's past included",
         "l13_sliding_window/sharing.py",
-        "        tables.append([NULL_BLOCK] * first + [alloc.block_of[group_key(g, key)] for key in keys[first:h]])\n",
-        "        tables.append([alloc.block_of[group_key(g, key)] for key in keys[:h]])\n",
+        "        tables.append([NULL_BLOCK] * first + alloc.lookup([group_key(g, key) for key in keys[first:h]]))\n",
+        "        tables.append(alloc.lookup([group_key(g, key) for key in keys[:h]]))\n",
         ("tests/test_l13_engine.py", "-k", "second_turn"), slow=True,
     ),
     Mutation(

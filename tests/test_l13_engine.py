@@ -291,7 +291,7 @@ def second_turn(engine, first_prompt: list[int], follow: list[int], new: int) ->
     return first, ids[1], engine.prefix.prefix_hit_tokens - before
 
 
-@pytest.mark.points(3)
+@pytest.mark.points(2)
 def test_a_second_turn_hits_its_whole_first_turn_under_the_hybrid_rule_and_nothing_without_it(
         hybrid, hybrid_model_dir, prompts):
     bs, new = 16, 30

@@ -15,9 +15,9 @@ import torch
 from l1_contiguous import Qwen3Config, window_mask
 from l2_paged import BlockAllocator, blocks_needed
 from l8_prefix import PrefixBlockAllocator, chain_keys
-from l13_sliding_window import (NULL_BLOCK, HybridRequest, KvCacheGroup, blocks_at_peak, free_behind_window,
-                                group_key, grow_tables, hybrid_hit_blocks, kv_cache_groups, release_tables,
-                                window_block_bound)
+from l13_sliding_window import (NULL_BLOCK, HybridRequest, KvCacheGroup, attach_cached_prefix, blocks_at_peak,
+                                free_behind_window, group_key, grow_tables, hybrid_hit_blocks, kv_cache_groups,
+                                release_tables, window_block_bound)
 from probes_l13 import grow_watched
 
 pytestmark = pytest.mark.l13
@@ -210,9 +210,20 @@ def test_blocks_at_peak_counts_a_whole_history_for_full_groups_and_a_window_for_
 
 # ---------------------------------------------------------------- hybrid_hit_blocks
 
-def cached_allocator(groups, cached: set[tuple[int, int]], keys: list[bytes], bs: int) -> PrefixBlockAllocator:
+class TaggedAllocator(PrefixBlockAllocator):
+    """Keeps every key within a tag of its own, as L12's allocator does: only `lookup` finds them."""
+
+    def lookup(self, keys):
+        return super().lookup([b"tag:" + k for k in keys])
+
+    def register(self, block, key):
+        super().register(block, b"tag:" + key)
+
+
+def cached_allocator(groups, cached: set[tuple[int, int]], keys: list[bytes], bs: int,
+                     tagged: bool = False) -> PrefixBlockAllocator:
     """An allocator whose cache holds block i of group g (under group_key) for each (g, i) in `cached`."""
-    alloc = PrefixBlockAllocator(len(cached) + 1, bs)
+    alloc = (TaggedAllocator if tagged else PrefixBlockAllocator)(len(cached) + 1, bs)
     for g, i in sorted(cached):
         (block,) = alloc.alloc_blocks(1)
         alloc.register(block, group_key(g, keys[i]))
@@ -239,7 +250,7 @@ def test_hybrid_hit_blocks_is_the_longest_prefix_whose_next_token_finds_everythi
         cached = {(g, i) for g in range(len(groups)) for i in range(n) if rng.random() < density}
         if rng.random() < 0.5:  # the common shape: full groups whole, sliding groups only at the end
             cached |= {(0, i) for i in range(n)} | {(g, i) for g in range(1, len(groups)) for i in range(n // 2, n)}
-        alloc = cached_allocator(groups, cached, keys, bs)
+        alloc = cached_allocator(groups, cached, keys, bs, tagged=rng.random() < 0.5)
         expect = max(h for h in range(n + 1) if usable(h, groups, cached, bs))
         got = hybrid_hit_blocks(keys[:n], groups, alloc, bs)
         assert got == expect, (f"block_size {bs}, windows {[g.window for g in groups]}, {n} keys, cached "
@@ -254,3 +265,21 @@ def test_hybrid_hit_blocks_needs_only_the_window_of_a_sliding_group():
     assert hybrid_hit_blocks(keys[:4], groups, cached_allocator(groups, cached, keys, bs), bs) == 4
     cached = (cached - {(1, 2)}) | {(1, 0), (1, 1)}  # position 16 and 12 need block 2; 8 reads 3..8
     assert hybrid_hit_blocks(keys[:4], groups, cached_allocator(groups, cached, keys, bs), bs) == 2
+
+
+@pytest.mark.points(1)
+def test_attach_cached_prefix_takes_the_windows_blocks_through_lookup_one_reference_each():
+    """Also from an allocator that keeps its keys within a tag (L12's): only `lookup` finds them."""
+    bs, keys = 4, chain_keys(list(range(64)), 4)
+    groups = [FULL, SLIDING]  # W 6: the token at position 16 reads 11..16, blocks 2 and 3
+    cached = {(0, i) for i in range(4)} | {(1, i) for i in range(4)}
+    for tagged in (False, True):
+        alloc = cached_allocator(groups, cached, keys, bs, tagged)
+        block_of = {(g, i): alloc.lookup([group_key(g, keys[i])])[0] for g, i in cached}
+        req = request(20)
+        attach_cached_prefix(req, keys[:4], 4, groups, alloc)
+        assert req.tables == (tuple(block_of[0, i] for i in range(4)),
+                              (NULL_BLOCK, NULL_BLOCK, block_of[1, 2], block_of[1, 3])), f"tagged: {tagged}"
+        assert req.cur_len == 16 and req.block_keys == keys[:4]
+        assert sorted(alloc.ref_count[b] for b in block_of.values()) == [0, 0] + [1] * 6
+        alloc.check()

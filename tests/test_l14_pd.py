@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 
 import pytest
@@ -20,7 +21,7 @@ from l5_eviction import WorkItem
 from l8_prefix import PrefixBlockAllocator, chain_keys
 from l14_kv_transfer import make_offload_engine
 from l14_kv_transfer import pd
-from probes_l14 import HoldingConnector, kill_prefill_rank, torchrun_smoke, use_connector
+from probes_l14 import HoldingConnector, signal_rank, torchrun_smoke, use_connector
 from test_l14_offload import hf_ids, model  # noqa: F401 - the same fixtures: the tiny model and HF's ids for it
 
 pytestmark = [pytest.mark.l14, pytest.mark.usefixtures("one_torch_thread")]
@@ -201,7 +202,9 @@ def test_two_processes_under_torchrun_equal_hf_and_send_only_the_blocks_the_deco
     assert f"bytes_sent {report['bytes_received']}," in sent and f"blocks_sent {report['blocks_received']}," in sent
 
 
-def test_a_transfer_held_past_its_deadline_ends_only_its_request():
+def test_a_transfer_held_past_its_deadline_ends_only_its_request_and_the_ones_behind_it_pass_it():
+    """Request 2's payload is held back past its deadline: it alone ends with an error, and
+    requests 3 and 4 are sent, received and decoded meanwhile (neither rank waits for it)."""
     start = time.monotonic()
     status, output, report = torchrun(["--transfer-timeout", "2", "--stall-transfer", "2"])
     assert report is not None, output[-3000:]
@@ -209,14 +212,17 @@ def test_a_transfer_held_past_its_deadline_ends_only_its_request():
     bad = [r for r, equal in zip(report["requests"], equal_hf(report)) if not equal]
     assert len(bad) == 1 and bad[0]["ids"] == [] and len(report["requests"]) == 5
     assert "transfer timed out" in output and time.monotonic() - start < 120
+    assert report["received_past_a_late_one"] == 2, report["received_past_a_late_one"]
+    sent = re.findall(r"rank 0: sent request (\d)", output)
+    assert sent.index("2") > sent.index("4"), sent
 
 
 def test_a_killed_prefill_rank_ends_what_it_owed_and_the_decode_rank_finishes_the_rest():
     """Ranks started by hand (torchrun would take the decode rank down with the dead one)."""
-    run = kill_prefill_rank(["--max-new-tokens", str(MAX_NEW), "--json", "--transfer-timeout", "20"],
-                            "rank 0: sent request 1")
-    assert run["killed"], "".join(run["prefill_lines"])[-2000:]
-    assert run["seconds_after_kill"] < 60, "the decode rank waited for a dead rank"
+    run = signal_rank(["--max-new-tokens", str(MAX_NEW), "--json", "--transfer-timeout", "20"],
+                      0, signal.SIGKILL, "rank 0: sent request 1")
+    assert run["signalled"], "".join(run["prefill_lines"])[-2000:]
+    assert run["seconds_after"] < 60, "the decode rank waited for a dead rank"
     report = last_json(run["stdout"])
     assert report is not None and report["all_blocks_free_at_end"], run["stderr"][-2000:]
     verdicts = equal_hf(report)
@@ -225,6 +231,36 @@ def test_a_killed_prefill_rank_ends_what_it_owed_and_the_decode_rank_finishes_th
     lost = [r for r, equal in zip(report["requests"], verdicts) if not equal]
     assert lost and all(r["ids"] == [] for r in lost) and report["errors"] == len(lost)
     assert "lost the prefill rank" in run["stdout"]
+
+
+def one_error_line(output: str, named: str) -> bool:
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    return len(errors) == 1 and named in errors[0] and "Traceback" not in output
+
+
+# Request 4's payload is held back 5 s: the signal lands while a transfer is still on its way.
+WHILE_SENDING = ["--max-new-tokens", str(MAX_NEW), "--json", "--transfer-timeout", "4", "--stall-transfer", "4"]
+
+
+def test_sigterm_on_the_prefill_rank_mid_transfer_exits_2_with_one_line_and_the_decode_rank_ends_cleanly():
+    run = signal_rank(WHILE_SENDING, 0, signal.SIGTERM, "rank 0: sent request 1")
+    prefill_output = "".join(run["prefill_lines"])
+    assert run["signalled"] and run["prefill_status"] == 2, (run["prefill_status"], prefill_output[-2000:])
+    assert one_error_line(prefill_output, "interrupted (SIGTERM)"), prefill_output[-2000:]
+    report = last_json(run["stdout"])
+    assert run["status"] in (0, 1) and report is not None and report["all_blocks_free_at_end"], run["stderr"][-2000:]
+    assert "Traceback" not in run["stderr"] and run["seconds_after"] < 60
+    finished = [r for r, equal in zip(report["requests"], equal_hf(report)) if equal]
+    assert len(finished) >= 2 and report["errors"] == 5 - len(finished)  # the rest ended, none hangs
+
+
+def test_sigterm_on_the_decode_rank_mid_transfer_exits_2_with_one_line_and_the_prefill_rank_names_it_lost():
+    run = signal_rank(WHILE_SENDING, 1, signal.SIGTERM, "rank 0: sent request 1")
+    assert run["signalled"] and run["status"] == 2, (run["status"], run["stderr"][-2000:])
+    assert one_error_line(run["stderr"], "interrupted (SIGTERM)"), run["stderr"][-2000:]
+    prefill_output = "".join(run["prefill_lines"])
+    assert run["prefill_status"] == 2 and one_error_line(prefill_output, "lost the decode rank"), prefill_output[-2000:]
+    assert run["seconds_after"] < 60
 
 
 def test_a_prompt_the_decode_rank_holds_whole_moves_no_block():
