@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 
 from l1_contiguous import InputError
-from l2_paged import blocks_needed, load_paged_model
+from l2_paged import blocks_needed
 from l2_paged.allocator import check_pool_shape
-from l5_eviction import WorkItem
+from l5_eviction import WorkItem, load_engine_model
 from l5_eviction.engine import available_host_memory
-from l5_eviction.fast_linear import use_packed_linears
 from l8_prefix import PrefixEngine, tagged_key
 from l8_prefix.prefix_allocator import PrefixBlockAllocator
 
@@ -67,8 +66,7 @@ class QuantizedEngine(PrefixEngine):
 
 def load_quantized_model(model_dir: str | Path, dtype=torch.float32, device="cpu", packed_linears: bool = True):
     """L5's engine model with L12's attention (it still runs mixed steps)."""
-    model = load_paged_model(model_dir, dtype, device, attention_cls=QuantizedAttention)
-    return use_packed_linears(model) if packed_linears else model
+    return load_engine_model(model_dir, dtype, device, packed_linears, attention_cls=QuantizedAttention)
 
 
 def quantized_bytes_per_block(cfg, block_size: int) -> int:

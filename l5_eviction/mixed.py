@@ -26,6 +26,7 @@ from l3_block_kernel import BlockForwardMeta, BlockTableAttention, BlockTableRun
 from l3_block_kernel.kernel_build import load_cpu_kernel
 
 from .fast_linear import use_packed_linears
+from .fused import fuse_projections, fused_project_qkv
 
 
 @dataclass
@@ -64,6 +65,13 @@ def build_step_meta(reqs: list, num_new: list[int], device, backend: str):
 class MixedBatchAttention(BlockTableAttention):
     """L3's attention, which also takes a MixedBatchMeta: each half of the rows takes its own path."""
 
+    fused = False  # set by fused.fuse_projections: q, k and v then come from one product
+
+    def project_qkv(self, x, cos, sin):
+        if self.fused:
+            return fused_project_qkv(self, x, cos, sin)
+        return super().project_qkv(x, cos, sin)
+
     def forward(self, x, cos, sin, pool, meta):
         if not isinstance(meta, MixedBatchMeta):
             return super().forward(x, cos, sin, pool, meta)
@@ -85,10 +93,12 @@ def load_engine_model(model_dir: str | Path, dtype=torch.float32, device="cpu", 
                       attention_cls: type[MixedBatchAttention] = MixedBatchAttention):
     """L3's model with attention that runs mixed steps: the model every L5 (and L8) engine runs.
 
-    packed_linears: on a CPU in float32, every matrix product runs on oneDNN with its weights
-    packed for few rows (fast_linear.py; False: `nn.Linear`, half the memory).
+    Its q/k/v and gate/up projections are stacked into one product each and its norms are
+    torch's (fused.py: the same arithmetic in fewer operations). packed_linears: on a CPU in
+    float32, the large matrix products run on oneDNN with their weights packed for few rows
+    (fast_linear.py; False: `nn.Linear`, half the memory).
     """
-    model = load_paged_model(model_dir, dtype, device, attention_cls=attention_cls)
+    model = fuse_projections(load_paged_model(model_dir, dtype, device, attention_cls=attention_cls))
     return use_packed_linears(model) if packed_linears else model
 
 
