@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from l1_contiguous import InputError
-from l3_block_kernel.paged_attention import (SPLIT_K_PARTITION, _expect, check_inputs, paged_attention_cpu,
+from l3_block_kernel.paged_attention import (SPLIT_K_PARTITION, expect_tensor, check_inputs, paged_attention_cpu,
                                              paged_attention_gather, paged_attention_reference, resolve_call,
                                              run_kernel)
 
@@ -48,14 +48,14 @@ def paged_attention_quantized(q: torch.Tensor, k_codes: torch.Tensor, v_codes: t
     them in set_scales). A bad scale gives wrong numbers, never a read outside the pool.
     backend, split_k, partition_size: as in L3's `paged_attention`.
     """
-    _expect(k_codes.dtype in CODE_DTYPES,
+    expect_tensor(k_codes.dtype in CODE_DTYPES,
             "k_codes must hold fp8 (torch.float8_e4m3fn) or int8 codes; a float cache goes to "
             "l3_block_kernel.paged_attention", k_codes)
-    _expect(v_codes.dtype == k_codes.dtype, f"v_codes must have k_codes' dtype {k_codes.dtype}", v_codes)
+    expect_tensor(v_codes.dtype == k_codes.dtype, f"v_codes must have k_codes' dtype {k_codes.dtype}", v_codes)
     check_inputs(q, k_codes, v_codes, block_tables, context_lens, cache_dtype=k_codes.dtype)
     num_kv_heads = k_codes.shape[2]
     for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
-        _expect(scales.dtype == torch.float32 and tuple(scales.shape) == (num_kv_heads,)
+        expect_tensor(scales.dtype == torch.float32 and tuple(scales.shape) == (num_kv_heads,)
                 and scales.device == q.device and scales.is_contiguous(),
                 f"{name} must be a contiguous float32 [num_kv_heads={num_kv_heads}] on q's device {q.device}",
                 scales)

@@ -23,7 +23,7 @@ from l1_contiguous import InputError
 from l2_paged import kv_positions_needed
 from l5_eviction import Preemptor, State, StepRunner, make_engine
 from l5_eviction.lifecycle import SwappedKv
-from l5_eviction.preempt import _to_host
+from l5_eviction.preempt import to_host
 from l8_prefix import PrefixEngine, PrefixScheduler, block_key, chain_keys
 
 from .attention import GroupedAttention
@@ -109,8 +109,8 @@ class HybridPreemptor(Preemptor):
         trim_tables(req, self.alloc)  # only blocks holding K/V travel
         ids = torch.tensor(req.blocks, dtype=torch.int64, device=self.pool.K[0].device)
         pin = ids.is_cuda
-        req.swapped = SwappedKv(k=[_to_host(kb[ids], pin) for kb in self.pool.k_block_tensors],
-                                v=[_to_host(vb[ids], pin) for vb in self.pool.v_block_tensors])
+        req.swapped = SwappedKv(k=[to_host(kb[ids], pin) for kb in self.pool.k_block_tensors],
+                                v=[to_host(vb[ids], pin) for vb in self.pool.v_block_tensors])
         self.counters.preempted_swap += 1
         self.counters.bytes_swapped_out += req.swapped.nbytes
         self.alloc.free(req.blocks)

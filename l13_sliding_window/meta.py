@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from l1_contiguous import window_mask
-from l2_paged.meta import _cumsum
+from l2_paged.meta import cumulative_offsets
 from l3_block_kernel import BlockForwardMeta, build_block_meta
 from l5_eviction import build_step_meta
 from l5_eviction.mixed import MixedBatchMeta
@@ -120,7 +120,7 @@ def build_window_meta(reqs: list[HybridRequest], num_new: list[int], g: int, win
     def as_tensor(values):
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    q_pos, cu_q = as_tensor(positions), as_tensor(_cumsum(num_new))
+    q_pos, cu_q = as_tensor(positions), as_tensor(cumulative_offsets(num_new))
     meta = BlockForwardMeta(
         positions=q_pos, slot_mapping=as_tensor(slots), kv_indices=as_tensor(kv), cu_seqlens_q=cu_q,
         cu_seqlens_k=None, attn_mask=window_causal_mask(q_pos, as_tensor(q_req), as_tensor(k_pos),

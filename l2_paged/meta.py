@@ -59,8 +59,8 @@ def build_meta(reqs: list[Request], num_new: list[int], device) -> tuple[torch.T
         positions=positions_t,
         slot_mapping=as_tensor(slots),
         kv_indices=as_tensor(kv),
-        cu_seqlens_q=as_tensor(_cumsum(num_new)),
-        cu_seqlens_k=as_tensor(_cumsum([r.cur_len + n for r, n in zip(reqs, num_new)])),
+        cu_seqlens_q=as_tensor(cumulative_offsets(num_new)),
+        cu_seqlens_k=as_tensor(cumulative_offsets([r.cur_len + n for r, n in zip(reqs, num_new)])),
         attn_mask=ragged_causal_mask(positions_t, as_tensor(q_req), as_tensor(k_pos), as_tensor(k_req)),
         is_prefill=any(n != 1 for n in num_new),
     )
@@ -80,7 +80,8 @@ def ragged_causal_mask(q_pos, q_req, k_pos, k_req) -> torch.Tensor | None:
     # END SOLUTION
 
 
-def _cumsum(values: list[int]) -> list[int]:
+def cumulative_offsets(values: list[int]) -> list[int]:
+    """[0, v0, v0 + v1, ...]: where each request's rows start in a flat batch (cu_seqlens), and the end."""
     out = [0]
     for v in values:
         out.append(out[-1] + v)

@@ -221,34 +221,34 @@ def check_inputs(q, k_cache, v_cache, block_tables, context_lens, cache_dtype=No
     The caches must have q's dtype, or cache_dtype where given (L12's one-byte codes)."""
     _check_pool(q, k_cache, v_cache, cache_dtype)
     num_seqs = q.shape[0]
-    _expect(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and len(block_tables) == num_seqs,
+    expect_tensor(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and len(block_tables) == num_seqs,
             f"block_tables must be int32 [num_seqs={num_seqs}, max_blocks]", block_tables)
-    _expect(context_lens.dtype == torch.int32 and tuple(context_lens.shape) == (num_seqs,),
+    expect_tensor(context_lens.dtype == torch.int32 and tuple(context_lens.shape) == (num_seqs,),
             f"context_lens must be int32 [num_seqs={num_seqs}]", context_lens)
     named = {"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "context_lens": context_lens}
     for name, t in named.items():
-        _expect(t.device == q.device, f"{name} must be on q's device {q.device}", t)
+        expect_tensor(t.device == q.device, f"{name} must be on q's device {q.device}", t)
 
 
 def _check_pool(q, k_cache, v_cache, cache_dtype=None) -> None:
-    _expect(q.dim() == 3 and q.dtype.is_floating_point, "q must be a float [num_seqs, num_heads, head_dim]", q)
+    expect_tensor(q.dim() == 3 and q.dtype.is_floating_point, "q must be a float [num_seqs, num_heads, head_dim]", q)
     num_heads, head_dim = q.shape[1:]
-    _expect(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]", k_cache)
-    _expect(v_cache.shape == k_cache.shape, f"v_cache must have k_cache's shape {tuple(k_cache.shape)}", v_cache)
+    expect_tensor(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim]", k_cache)
+    expect_tensor(v_cache.shape == k_cache.shape, f"v_cache must have k_cache's shape {tuple(k_cache.shape)}", v_cache)
     dtype = q.dtype if cache_dtype is None else cache_dtype
     expected = f"q's dtype {q.dtype}" if cache_dtype is None else f"dtype {cache_dtype}"
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _expect(cache.dtype == dtype, f"{name} must have {expected}", cache)
-        _expect(cache.is_contiguous(), f"{name} must be contiguous (the kernel walks its memory)", cache)
-    _expect(k_cache.shape[3] == head_dim, f"k_cache must have q's head_dim {head_dim} as its last size", k_cache)
-    _expect(num_heads % k_cache.shape[2] == 0,
+        expect_tensor(cache.dtype == dtype, f"{name} must have {expected}", cache)
+        expect_tensor(cache.is_contiguous(), f"{name} must be contiguous (the kernel walks its memory)", cache)
+    expect_tensor(k_cache.shape[3] == head_dim, f"k_cache must have q's head_dim {head_dim} as its last size", k_cache)
+    expect_tensor(num_heads % k_cache.shape[2] == 0,
             f"q's num_heads ({num_heads}) must be a multiple of k_cache's num_kv_heads ({k_cache.shape[2]})", q)
 
 
 def check_window_starts(q, window_starts) -> None:
     """window_starts is None or int32 [num_seqs] on q's device (values: `check_table_values`)."""
     if window_starts is not None:
-        _expect(window_starts.dtype == torch.int32 and tuple(window_starts.shape) == (q.shape[0],)
+        expect_tensor(window_starts.dtype == torch.int32 and tuple(window_starts.shape) == (q.shape[0],)
                 and window_starts.device == q.device,
                 f"window_starts must be int32 [num_seqs={q.shape[0]}] on q's device {q.device}", window_starts)
 
@@ -400,6 +400,7 @@ def _pick_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
     return backend
 
 
-def _expect(ok: bool, what: str, tensor: torch.Tensor) -> None:
+def expect_tensor(ok: bool, what: str, tensor: torch.Tensor) -> None:
+    """InputError saying `what` was expected and what `tensor` is, unless `ok` (L12's checks use it too)."""
     if not ok:
         raise InputError(f"{what}, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")

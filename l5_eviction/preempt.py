@@ -62,8 +62,8 @@ class Preemptor:
         trim(req, self.alloc)  # only blocks holding K/V travel
         ids = torch.tensor(req.blocks, dtype=torch.int64, device=self.pool.K[0].device)
         pin = ids.is_cuda  # pinned host memory makes the copy back asynchronous-capable and faster
-        req.swapped = SwappedKv(k=[_to_host(kb[ids], pin) for kb in self.pool.k_blocks],
-                                v=[_to_host(vb[ids], pin) for vb in self.pool.v_blocks])
+        req.swapped = SwappedKv(k=[to_host(kb[ids], pin) for kb in self.pool.k_blocks],
+                                v=[to_host(vb[ids], pin) for vb in self.pool.v_blocks])
         self.counters.preempted_swap += 1
         self.counters.bytes_swapped_out += req.swapped.nbytes
         release(req, self.alloc)
@@ -102,7 +102,7 @@ def trim(req: EngineRequest, alloc: BlockAllocator) -> None:
         del req.slot_indices[keep * alloc.block_size:]
 
 
-def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+def to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     """`t` is a fresh gather of the victim's blocks; on a CPU pool it already is the host copy."""
     if t.device.type == "cpu":
         return t

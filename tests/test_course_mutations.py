@@ -1376,10 +1376,10 @@ MUTATIONS = [
     Mutation(
         "L13 swap_out copies k_blocks, one tensor per layer, not the pool's g tensors",
         "l13_sliding_window/engine.py",
-        "        req.swapped = SwappedKv(k=[_to_host(kb[ids], pin) for kb in self.pool.k_block_tensors],\n"
-        "                                v=[_to_host(vb[ids], pin) for vb in self.pool.v_block_tensors])\n",
-        "        req.swapped = SwappedKv(k=[_to_host(kb[ids], pin) for kb in self.pool.k_blocks],\n"
-        "                                v=[_to_host(vb[ids], pin) for vb in self.pool.v_blocks])\n",
+        "        req.swapped = SwappedKv(k=[to_host(kb[ids], pin) for kb in self.pool.k_block_tensors],\n"
+        "                                v=[to_host(vb[ids], pin) for vb in self.pool.v_block_tensors])\n",
+        "        req.swapped = SwappedKv(k=[to_host(kb[ids], pin) for kb in self.pool.k_blocks],\n"
+        "                                v=[to_host(vb[ids], pin) for vb in self.pool.v_blocks])\n",
         ("tests/test_l13_engine.py", "-k", "swap"), slow=True,
     ),
     Mutation(

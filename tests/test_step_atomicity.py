@@ -137,7 +137,7 @@ L5_POINTS = {
     "preemption for recompute, done": (("recompute",), lambda e, mp, at: _arm(
         mp, e.preemptor, "preempt", Trigger(e, 0), after=True)),
     "swap out, mid-copy": (("swap",), lambda e, mp, at: _arm(
-        mp, l5_eviction.preempt, "_to_host", Trigger(e, 0, nth=2))),
+        mp, l5_eviction.preempt, "to_host", Trigger(e, 0, nth=2))),
     "swap out, copied, before the free": (("swap",), lambda e, mp, at: _arm(
         mp, l5_eviction.preempt, "release", Trigger(e, 0, caller="swap_out"))),
     "swap in, blocks allocated, not copied": (("swap",), lambda e, mp, at: _arm(
