@@ -99,6 +99,7 @@ bench: setup
 	@for s in scripts/bench_l1.py scripts/bench_l2.py scripts/bench_l3_kernel.py; do echo "== $$s"; $(PY) $$s || exit 1; done
 	$(PY) -c "from harness.benchmark import write_header; write_header('docs/benchmarks.md')"
 	$(PY) scripts/bench_l5.py --markdown docs/benchmarks.md
+	$(PY) scripts/bench_step.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l8.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l10.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_serve.py --markdown docs/benchmarks.md

@@ -133,3 +133,22 @@ def test_bench_l10_gives_a_floor_to_every_system_whose_forwards_it_sees(tmp_path
     assert all(f > 0 for f in floor.values() if f is not None)
     # one request at a time, plain decoding does exactly HF greedy's forwards: recorded = counted
     assert floor["embedded, batch 1", "L8 plain"] == pytest.approx(floor["embedded, batch 1", "HF greedy"])
+
+
+def test_bench_step_splits_a_decode_step_into_phases_inside_the_timed_step(tmp_path, tiny_model_dir):
+    bench = load_script("bench_step")
+    doc = tmp_path / "b.md"
+    argv = ["--model", str(tiny_model_dir), "--skip-0.6b", "--batches", "1,3", "--new", "4", "--repeat", "1",
+            "--markdown", str(doc)]
+    assert bench.main(argv) == 0  # 0: every batch's ids equal HF's
+    text = doc.read_text()
+    assert "<!-- BEGIN bench_step" in text and "| model | requests | step ms |" in text
+    rows = [line for line in text.splitlines() if line.startswith(f"| {tiny_model_dir.name} |")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        values = dict(zip(bench.COLUMNS + ["ids = HF"], cells))
+        phases = [float(values[f"{p} ms"]) for p in bench.PHASES if p != "other"]
+        assert all(v >= 0 for v in phases) and float(values["attention ms"]) > 0 and float(values["mlp ms"]) > 0
+        assert sum(phases) <= float(values["timed step ms"]) + 0.01  # the phases lie inside the step
+        assert float(values["floor ms"]) > 0 and float(values["HF step ms"]) > 0

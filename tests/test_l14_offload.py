@@ -16,7 +16,7 @@ from l1_contiguous import InputError
 from l2_paged import bytes_per_block
 from l5_eviction import WorkItem, load_engine_model
 from l8_prefix import chain_keys, make_prefix_engine
-from l14_kv_transfer import CpuTier, FileTier, OffloadConnector, TieredStore, make_offload_engine, make_store
+from l14_kv_transfer import CpuTier, FileTier, OffloadConnector, TieredStore, kv_identity, make_offload_engine, make_store
 from probes_l14 import RecordingConnector, connector_state, fail_next_forward, fake_request, use_connector
 from test_l14_tiers import FAULTS, damage, tier_dir  # noqa: F401 - a folder the student's code may write
 
@@ -332,3 +332,18 @@ def test_without_a_tier_it_is_l8s_engine(model):
     ours = make_offload_engine(model, 10, BS).run([WorkItem(p, NEW, i) for i, p in enumerate(prompts)])
     l8 = make_prefix_engine(model, 10, BS).run([WorkItem(p, NEW, i) for i, p in enumerate(prompts)])
     assert [r.output_ids for r in ours.values()] == [r.output_ids for r in l8.values()]
+
+
+def test_l12s_cache_tag_in_the_identity_keeps_blocks_written_under_other_scales_apart(model):
+    """L12 composed with L14: a quantized pool's blocks are codes that mean something only under
+    their scales. Two pools of one model, dtype and block size whose cache tags differ (L12's
+    cache_tag: 16 bytes naming the format and every scale) have different identities, so one never
+    loads what the other stored."""
+    tags = [bytes([1]) * 16, bytes([1]) * 15 + bytes([2])]  # two tags one bit apart
+    ids = [kv_identity(model, BS, torch.int8, tag) for tag in tags]
+    assert ids[0] != ids[1] and ids[0] == kv_identity(model, BS, torch.int8, bytes(tags[0]))
+    tokens = random_prompt(4 * BS + 1, VOCAB, seed=9)
+    writer = OffloadConnector(dummy_store([]), BS, identity=ids[0])
+    store = dummy_store(writer.store_keys(tokens))
+    assert OffloadConnector(store, BS, identity=ids[0]).get_num_new_matched_tokens(fake_request(tokens), 0) == 4 * BS
+    assert OffloadConnector(store, BS, identity=ids[1]).get_num_new_matched_tokens(fake_request(tokens), 0) == 0
