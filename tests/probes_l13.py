@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 
 from l2_paged import OutOfBlocksError
+from l8_prefix import PrefixBlockAllocator
 from l13_sliding_window import NULL_BLOCK, grow_tables
 
 
@@ -102,3 +103,14 @@ def grow_watched(req, groups, alloc, num_positions: int) -> dict:
         del alloc.alloc_blocks
     return {"taken": taken, "raised": raised, "alloc_calls": calls,
             "copy_tables": [list(table) for table in saved.tables]}
+
+
+class TaggedAllocator(PrefixBlockAllocator):
+    """Keeps every key within a tag of its own, as L12's allocator does: only `lookup` finds them.
+    (A subclass of a lesson's class: under the judge it must live in the worker, here.)"""
+
+    def lookup(self, keys):
+        return super().lookup([b"tag:" + k for k in keys])
+
+    def register(self, block, key):
+        super().register(block, b"tag:" + key)

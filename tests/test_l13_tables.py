@@ -18,7 +18,7 @@ from l8_prefix import PrefixBlockAllocator, chain_keys
 from l13_sliding_window import (NULL_BLOCK, HybridRequest, KvCacheGroup, attach_cached_prefix, blocks_at_peak,
                                 free_behind_window, group_key, grow_tables, hybrid_hit_blocks, kv_cache_groups,
                                 release_tables, window_block_bound)
-from probes_l13 import grow_watched
+from probes_l13 import TaggedAllocator, grow_watched
 
 pytestmark = pytest.mark.l13
 
@@ -209,16 +209,6 @@ def test_blocks_at_peak_counts_a_whole_history_for_full_groups_and_a_window_for_
 
 
 # ---------------------------------------------------------------- hybrid_hit_blocks
-
-class TaggedAllocator(PrefixBlockAllocator):
-    """Keeps every key within a tag of its own, as L12's allocator does: only `lookup` finds them."""
-
-    def lookup(self, keys):
-        return super().lookup([b"tag:" + k for k in keys])
-
-    def register(self, block, key):
-        super().register(block, b"tag:" + key)
-
 
 def cached_allocator(groups, cached: set[tuple[int, int]], keys: list[bytes], bs: int,
                      tagged: bool = False) -> PrefixBlockAllocator:
