@@ -86,18 +86,19 @@ class PdSendConnector(KvConnector):
         header = Header(req.request_id, req.prompt_ids, req.output_ids[0], len(req.blocks),
                         chain_keys(req.prompt_ids, self.block_size), finished, max_new)
         held = ask(header, self.peer)
-        missing = req.blocks[held:] if held >= 0 and not finished else []
-        payload = pack_blocks(self.pool, missing, self.data.device)  # a copy: the blocks may go now
-        self.not_now += held == NOT_NOW
-        self.blocks_sent += len(missing)
-        self.blocks_skipped += max(held, 0)
         if held == NOT_NOW:
-            pass
-        elif req.request_id in self.stall and missing and not self.data.ordered:
-            self.sender.later(self.stall[req.request_id], lambda: self.send_payload(header, payload))
+            self.not_now += 1
         else:
-            time.sleep(self.stall.get(req.request_id, 0) if missing else 0)  # NCCL: in order, the ones behind wait too
-            self.send_payload(header, payload)
+            missing = req.blocks[held:] if held != REFUSED and not finished else []
+            payload = pack_blocks(self.pool, missing, self.data.device)  # a copy: the blocks may go now
+            self.blocks_sent += len(missing)
+            self.blocks_skipped += max(held, 0)
+            stall = self.stall.get(req.request_id, 0) if missing else 0
+            if stall and not self.data.ordered:  # gloo: tagged, so the requests behind it go on
+                self.sender.later(stall, lambda: self.send_payload(header, payload))
+            else:
+                time.sleep(stall)  # NCCL keeps protocol order: the ones behind it wait too
+                self.send_payload(header, payload)
         self.send_seconds += time.perf_counter() - start
         return held != NOT_NOW
 

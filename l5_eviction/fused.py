@@ -63,8 +63,8 @@ def fused_project_qkv(attn, x, cos, sin):
 
 
 def fuse_projections(model):
-    """Stack each layer's q/k/v and gate/up weights, norm with torch's rms_norm. In place; returns
-    the model. Run once, after the weights are loaded (the stacked weights replace them). The
+    """Stack each layer's q/k/v and gate/up weights (q and k are then normed and rotated together,
+    `fused_project_qkv`). In place; returns the model. Run once, after the weights are loaded (the stacked weights replace them). The
     attention must be L5's (its `project_qkv` takes the fused path once `fused` is set)."""
     for layer in model.model.layers:
         attn = layer.self_attn
