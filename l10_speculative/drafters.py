@@ -20,7 +20,7 @@ import torch
 from l1_contiguous import InputError
 from l2_paged import BlockAllocator, OutOfBlocksError, Request, release
 from l3_block_kernel import BlockKvPool
-from l5_eviction import StepRunner, load_engine_model
+from l5_eviction import KvManager, StepRunner, load_engine_model
 from l8_prefix import is_greedy
 
 from .rewind import rewind
@@ -76,7 +76,7 @@ class DraftModelDrafter:
         self.model = model
         self.alloc = BlockAllocator(num_blocks, block_size)
         pool = BlockKvPool(model.config, num_blocks, block_size, model.dtype, model.device)
-        self.runner = StepRunner(model, pool, self.alloc, backend=backend)
+        self.runner = StepRunner(model, KvManager(self.alloc, pool), backend=backend)
         self.seqs: dict[int, Request] = {}  # target request id -> the draft's own request
         self.forwards = 0
 

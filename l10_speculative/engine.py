@@ -23,7 +23,7 @@ import torch
 
 from l1_contiguous import InputError
 from l1_contiguous.errors import one_line
-from l5_eviction import Scheduler, State, StepRunner, make_engine
+from l5_eviction import State, StepRunner, make_engine
 from l8_prefix import PrefixEngine, PrefixRequest, PrefixScheduler, is_greedy
 
 from .acceptance import accept_greedy, accept_sampled, next_k
@@ -43,6 +43,10 @@ class SpecRequest(PrefixRequest):
     def tokens(self) -> list[int]:
         """Prompt, generated tokens, then (during a verify step) the proposals."""
         return self.prompt_ids + self.output_ids + self.draft
+
+    @property
+    def in_prefill(self) -> bool:
+        return not self.draft and self.num_pending > 1  # verify rows are decode work, not prompt
 
 
 @dataclass
@@ -64,23 +68,19 @@ class SpecScheduler(PrefixScheduler):
         self.propose([r for r in self.running if r.num_pending == 1])
         return super().schedule(now)
 
-    def _tokens_this_step(self, req: SpecRequest, budget: list) -> int:
+    def tokens_this_step(self, req: SpecRequest, budget: list) -> int:
         if not req.draft:
-            return super()._tokens_this_step(req, budget)
+            return super().tokens_this_step(req, budget)
         # Speculation never preempts anyone: keep only the proposals whose blocks are free now.
-        spare = self.alloc.num_free - self._blocks_for(req, 1)
-        while req.draft and self._blocks_for(req, 1 + len(req.draft)) - self._blocks_for(req, 1) > max(0, spare):
+        kv = self.kv
+        spare = kv.num_free - kv.blocks_for(req, 1)
+        while req.draft and kv.blocks_for(req, 1 + len(req.draft)) - kv.blocks_for(req, 1) > max(0, spare):
             req.draft.pop()
         return 1 + len(req.draft)
 
-    @staticmethod
-    def _spend(budget: list, req: SpecRequest, n: int) -> None:
-        if not req.draft:  # verify rows are decode work, not prompt: never charged
-            Scheduler._spend(budget, req, n)
-
-    def _preempt(self, req: SpecRequest) -> None:
+    def preempt(self, req: SpecRequest) -> None:
         req.draft, req.draft_probs = [], None  # recompute would otherwise prefill the guesses
-        super()._preempt(req)
+        super().preempt(req)
 
 
 class VerifyRunner(StepRunner):
@@ -106,13 +106,12 @@ class SpecEngine(PrefixEngine):
         self._verified: dict[int, list[int]] = {}  # request id -> ids its verify produced
         super().__init__(model, pool, alloc, **kwargs)
 
-    def _make_scheduler(self, policy, prefill_chunk, watermark_blocks):
-        return self.scheduler_cls(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks,
-                                  pool=self.pool, sharing=self.sharing, counters=self.prefix,
+    def make_scheduler(self, policy, prefill_chunk, watermark_blocks):
+        return self.scheduler_cls(self.kv, policy, self.preemptor, prefill_chunk, watermark_blocks,
                                   max_prefix_hold=self.max_prefix_hold, propose=self._propose)
 
-    def _new_request(self, item) -> SpecRequest:
-        req = super()._new_request(item)
+    def new_request(self, item) -> SpecRequest:
+        req = super().new_request(item)
         req.k = self.k_max
         return req
 
@@ -147,17 +146,17 @@ class SpecEngine(PrefixEngine):
 
     # ------------------------------------------------------------------ verify
 
-    def _run(self, plan):
+    def run_plan(self, plan):
         if plan:
             self.spec.forwards += 1
-        return super()._run(plan)
+        return super().run_plan(plan)
 
-    def _sample(self, reqs, logits) -> list[int]:
+    def sample(self, reqs, logits) -> list[int]:
         """Rows come per request: k + 1 for a verifying one (its tokens are settled here), else 1."""
         sizes = [1 + len(r.draft) for r in reqs]
         rows = torch.split(logits, sizes)
         plain = [i for i, r in enumerate(reqs) if not r.draft]
-        drawn = dict(zip(plain, super()._sample([reqs[i] for i in plain], [rows[i][0] for i in plain])))
+        drawn = dict(zip(plain, super().sample([reqs[i] for i in plain], [rows[i][0] for i in plain])))
         out = []
         for i, req in enumerate(reqs):
             if req.draft:
@@ -185,7 +184,7 @@ class SpecEngine(PrefixEngine):
 
     # ------------------------------------------------------------------ commit and rewind
 
-    def _commit(self, plan, tokens) -> None:
+    def commit(self, plan, tokens) -> None:
         for req, _ in plan:
             if req.draft and req.error is not None:  # L5's commit finishes it; its draft has no K/V to keep
                 self._verified.pop(req.request_id)
@@ -193,7 +192,7 @@ class SpecEngine(PrefixEngine):
             elif req.draft:
                 tokens[req.request_id] = self._settle(req, self._verified.pop(req.request_id))
             self.spec.token_steps += req.num_pending == 0
-        super()._commit(plan, tokens)  # L8 keys the blocks that are now full of accepted tokens
+        super().commit(plan, tokens)  # L8 keys the blocks that are now full of accepted tokens
         for req, _ in plan:
             if req.state is State.FINISHED and self.drafter is not None:
                 self.drafter.release(req.request_id)
@@ -205,7 +204,7 @@ class SpecEngine(PrefixEngine):
         new_ids = self._cut_at_finish(req, new_ids)
         req.output_ids += new_ids[:-1]
         req.draft, req.draft_probs = [], None
-        self._rewind(req, len(req.tokens))  # K/V of every kept token stays; the rest goes
+        self.rewind_kv(req, len(req.tokens))  # K/V of every kept token stays; the rest goes
         req.proposed, req.accepted = req.proposed + proposed, req.accepted + len(new_ids) - 1
         self.spec.verify_steps += 1
         self.spec.proposed += proposed
@@ -214,8 +213,9 @@ class SpecEngine(PrefixEngine):
             req.k = next_k(req.k, proposed, kept, self.k_max)
         return new_ids[-1]
 
-    def _rewind(self, req: SpecRequest, new_len: int) -> None:
-        rewind(req, self.alloc, new_len)  # (L13: per group of layers)
+    def rewind_kv(self, req: SpecRequest, new_len: int) -> None:
+        """A hook: K/V past `new_len` dropped, blocks past it freed (L13: in every group of layers)."""
+        rewind(req, self.alloc, new_len)
 
     def _cut_at_finish(self, req: SpecRequest, new_ids: list[int]) -> list[int]:
         """new_ids up to the first that would finish the request (stop id, eos or length)."""
@@ -232,9 +232,9 @@ class SpecEngine(PrefixEngine):
 
     # ------------------------------------------------------------------ rollback and counters
 
-    def _stateful(self) -> list:
+    def stateful(self) -> list:
         drafter = self.drafter.stateful() if self.drafter is not None else []
-        return [*super()._stateful(), self.spec, *drafter]
+        return [*super().stateful(), self.spec, *drafter]
 
     def summary(self) -> dict:
         s = self.spec

@@ -23,7 +23,7 @@ import torch
 
 from l1_contiguous import InputError
 from l5_eviction import State, StepRunner, make_engine
-from l8_prefix import PrefixEngine, PrefixRequest, PrefixScheduler, SampledWorkItem, is_greedy
+from l8_prefix import PrefixEngine, PrefixKvManager, PrefixRequest, SampledWorkItem, is_greedy
 
 
 @dataclass
@@ -76,14 +76,14 @@ class ServeRequest(PrefixRequest):
         return self.prompt_logprobs is not None
 
 
-class ServeScheduler(PrefixScheduler):
+class ServeKvManager(PrefixKvManager):
     """A request that scores its prompt computes every prompt position: no hit, no waiting for one."""
 
-    def _attach_cached_prefix(self, req) -> int:
-        return 0 if req.scores_prompt else super()._attach_cached_prefix(req)
+    def attach_computed_prefix(self, req) -> int:
+        return 0 if req.scores_prompt else super().attach_computed_prefix(req)
 
-    def _prefix_in_flight(self, req, in_flight) -> bool:
-        return False if req.scores_prompt else super()._prefix_in_flight(req, in_flight)
+    def prefix_in_flight(self, req, in_flight) -> bool:
+        return False if req.scores_prompt else super().prefix_in_flight(req, in_flight)
 
 
 class ServeRunner(StepRunner):
@@ -120,7 +120,8 @@ class ServeRunner(StepRunner):
 
 class ServeEngine(PrefixEngine):
     request_cls = ServeRequest
-    scheduler_cls = ServeScheduler
+    kv_manager_cls = ServeKvManager
+    runner_cls = ServeRunner
 
     def __init__(self, *args, history: int = 256, **kwargs):
         super().__init__(*args, **kwargs)
@@ -128,7 +129,6 @@ class ServeEngine(PrefixEngine):
         # L5/L8 keep one record per step for the notebooks' plots; a server keeps the last few.
         self.timeline, self.metrics_timeline = deque(maxlen=history), deque(maxlen=history)
         self._raw_rows: dict[int, torch.Tensor] = {}  # this step's logits rows, for logprobs
-        self.runner = ServeRunner(self.model, self.pool, self.alloc, backend=self.runner.backend)
 
     @property
     def max_model_len(self) -> int:
@@ -138,8 +138,8 @@ class ServeEngine(PrefixEngine):
         a = self.alloc
         return min(self.model.config.max_position_embeddings, a.num_blocks * a.block_size + 1)
 
-    def _check_item(self, item) -> None:
-        super()._check_item(item)
+    def check_item(self, item) -> None:
+        super().check_item(item)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(item, name, None)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
@@ -163,8 +163,8 @@ class ServeEngine(PrefixEngine):
                     or (name == "repetition_penalty" and value == 0):
                 raise InputError(f"{name} must be a number in {'(0' if lo == 0 else f'[{lo}'}, {hi}], got {value!r}")
 
-    def _new_request(self, item) -> ServeRequest:
-        req = super()._new_request(item)
+    def new_request(self, item) -> ServeRequest:
+        req = super().new_request(item)
         req.request_id = req.group = next(self._ids)  # not len(self.requests): finished ones are dropped
         for name in PER_REQUEST:
             setattr(req, name, getattr(item, name, getattr(ServeRequest, name)))
@@ -172,22 +172,22 @@ class ServeEngine(PrefixEngine):
             req.prompt_token_logprobs = [None] * len(req.prompt_ids)
         return req
 
-    def _as_sample(self, req, first, k) -> None:
-        super()._as_sample(req, first, k)
+    def as_sample(self, req, first, k) -> None:
+        super().as_sample(req, first, k)
         for name in PER_REQUEST:
             setattr(req, name, getattr(first, name))
         # A fork (sharing on) is born after its parent's prefill: the scores are there to copy.
         # Without sharing each sample prefills, and scores, its own copy of the prompt.
         req.prompt_token_logprobs = list(first.prompt_token_logprobs)
 
-    def _maybe_finish(self, req) -> None:
+    def maybe_finish(self, req) -> None:
         if req.ignore_eos and req.output_ids[-1] in self.eos_ids and req.output_ids[-1] not in req.stop_token_ids:
             if len(req.output_ids) >= req.max_new_tokens:
-                self._finish(req, "length")
+                self.finish(req, "length")
             return
-        super()._maybe_finish(req)
+        super().maybe_finish(req)
 
-    def _sample(self, reqs, logits) -> list[int]:
+    def sample(self, reqs, logits) -> list[int]:
         # The raw rows of the requests that want logprobs (a fork's first token reads its parent's).
         self._raw_rows = {r.request_id: row for r, row in zip(reqs, logits) if r.logprobs is not None}
         if any(_adjusts(r) for r in reqs):
@@ -195,10 +195,10 @@ class ServeEngine(PrefixEngine):
         if any(_truncates(r) for r in reqs):  # greedy rows are left whole: their argmax is in every cut
             logits = torch.stack([truncated(row, r.temperature, r.top_k, r.min_p, r.top_p) if _truncates(r) else row
                                   for r, row in zip(reqs, logits)])
-        return super()._sample(reqs, logits)  # the forks' first draw reads these (cut) rows too
+        return super().sample(reqs, logits)  # the forks' first draw reads these (cut) rows too
 
-    def _commit(self, plan, tokens) -> None:
-        super()._commit(plan, tokens)
+    def commit(self, plan, tokens) -> None:
+        super().commit(plan, tokens)
         if not self._raw_rows:  # nobody asked for logprobs this step
             return
         for req in self.requests.values():

@@ -1,9 +1,10 @@
 """L13: hybrid models (sliding-window layers beside full ones), one block table per KV cache group."""
 
 from .attention import GroupedAttention, load_hybrid_model
-from .engine import HybridEngine, HybridPreemptor, HybridRunner, HybridScheduler, make_hybrid_engine
+from .engine import HybridEngine, HybridPreemptor, make_hybrid_engine
 from .groups import (NULL_BLOCK, KvCacheGroup, blocks_at_peak, first_needed_position, kv_cache_groups,
                      window_block_bound)
+from .kv_manager import HybridKvManager
 from .meta import GroupedStepMeta, build_grouped_meta, build_window_meta
 from .pool import GroupedKvPool
 from .sharing import attach_cached_prefix, copy_on_write_tables, group_key, hybrid_hit_blocks, without_windows
@@ -12,7 +13,7 @@ from .tables import (HybridRequest, blocks_to_grow, free_behind_window, grow_tab
                      trim_tables)
 
 __all__ = [
-    "GroupedAttention", "load_hybrid_model", "HybridEngine", "HybridPreemptor", "HybridRunner", "HybridScheduler",
+    "GroupedAttention", "load_hybrid_model", "HybridEngine", "HybridPreemptor", "HybridKvManager",
     "make_hybrid_engine", "NULL_BLOCK", "KvCacheGroup", "blocks_at_peak", "first_needed_position", "kv_cache_groups",
     "window_block_bound", "GroupedStepMeta", "build_grouped_meta", "build_window_meta", "GroupedKvPool",
     "attach_cached_prefix", "copy_on_write_tables", "group_key", "hybrid_hit_blocks", "without_windows",

@@ -4,8 +4,11 @@ The verify forward writes k + 1 positions in every group. After acceptance the t
 to the accepted end, as L10's rewind cuts one table (`rewind_tables`). The trap is the sliding
 groups: their blocks behind the window must be freed for the position the request really reached,
 never for the verify's end, or a rejected proposal would have moved the window past blocks the
-next token still reads. The engine frees after the rewind (L13's `_commit` runs after L10's settle),
-so the window follows the accepted length.
+next token still reads. The manager frees after the rewind (L10's commit settles, then L8's commit
+calls the manager's `after_forward`), so the window follows the accepted length.
+
+Composition is by parts, not by a diamond of engines: L10's engine with L13's request fields, KV
+manager, preemptor and pool, and `rewind_kv` (L10's hook) cutting every group's table.
 """
 
 from __future__ import annotations
@@ -13,25 +16,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2_paged import blocks_needed
-from l10_speculative import SpecEngine, SpecRequest, SpecScheduler, VerifyRunner
+from l10_speculative import SpecEngine, SpecRequest
 from l5_eviction import make_engine
 
-from .engine import HybridEngine, HybridRunner, HybridScheduler
+from .engine import HybridPreemptor, check_hybrid_parts, hybrid_summary
 from .groups import NULL_BLOCK
+from .kv_manager import HybridKvManager
+from .pool import GroupedKvPool
 from .tables import HybridRequest, set_tables
 
 
 @dataclass
 class HybridSpecRequest(SpecRequest, HybridRequest):
     """A request with proposals (L10) and one table per group (L13)."""
-
-
-class HybridSpecScheduler(SpecScheduler, HybridScheduler):
-    """L10's proposals and budget on L13's per-group blocks."""
-
-
-class HybridVerifyRunner(VerifyRunner, HybridRunner):
-    """Every verify row's logits (L10) from grouped metadata (L13)."""
 
 
 def rewind_tables(req: HybridRequest, alloc, new_len: int) -> None:
@@ -49,12 +46,26 @@ def rewind_tables(req: HybridRequest, alloc, new_len: int) -> None:
     # END SOLUTION
 
 
-class HybridSpecEngine(SpecEngine, HybridEngine):
-    request_cls = HybridSpecRequest
-    scheduler_cls = HybridSpecScheduler
-    runner_cls = HybridVerifyRunner
+class HybridSpecEngine(SpecEngine):
+    """L10's engine with L13's parts: request fields, pool, preemptor and KV manager."""
 
-    def _rewind(self, req: HybridSpecRequest, new_len: int) -> None:
+    request_cls = HybridSpecRequest
+    pool_cls = GroupedKvPool
+    preemptor_cls = HybridPreemptor
+
+    def __init__(self, model, pool, alloc, hybrid_hit_rule: bool = True, keep_behind_window: bool = False,
+                 **kwargs):
+        check_hybrid_parts(model, pool)  # the options mean what they mean for HybridEngine
+        self.hybrid_options = {"hybrid_hit_rule": hybrid_hit_rule, "keep_behind_window": keep_behind_window}
+        super().__init__(model, pool, alloc, **kwargs)
+
+    def make_kv_manager(self) -> HybridKvManager:
+        return HybridKvManager(self.alloc, self.pool, self.sharing, **self.hybrid_options)
+
+    def summary(self) -> dict:
+        return {**super().summary(), **hybrid_summary(self)}
+
+    def rewind_kv(self, req: HybridSpecRequest, new_len: int) -> None:
         rewind_tables(req, self.alloc, new_len)
 
 

@@ -3,12 +3,11 @@ block hashes, and prefill and decode in two processes with blocks sent between t
 
 from .connector import (MODES, ConnectorCounters, ConnectorMeta, KvConnector, LoadJob, OffloadConnector, block_shape,
                         kv_identity, read_block, write_block)
-from .engine import (OffloadBlockAllocator, OffloadEngine, OffloadRequest, OffloadScheduler, make_offload_engine,
-                     make_store)
+from .engine import OffloadEngine, OffloadKvManager, OffloadRequest, make_offload_engine, make_store
 from .tiers import BlockLoadError, CpuTier, FileTier, LruTier, TieredStore
 
 __all__ = [
     "MODES", "ConnectorCounters", "ConnectorMeta", "KvConnector", "LoadJob", "OffloadConnector", "block_shape",
-    "kv_identity", "read_block", "write_block", "OffloadBlockAllocator", "OffloadEngine", "OffloadRequest",
-    "OffloadScheduler", "make_offload_engine", "make_store", "BlockLoadError", "CpuTier", "FileTier", "LruTier", "TieredStore",
+    "kv_identity", "read_block", "write_block", "OffloadEngine", "OffloadKvManager", "OffloadRequest",
+    "make_offload_engine", "make_store", "BlockLoadError", "CpuTier", "FileTier", "LruTier", "TieredStore",
 ]

@@ -20,7 +20,7 @@ from l1_contiguous import InputError
 from l2_paged import release
 from l5_eviction import make_engine
 from l5_eviction.lifecycle import State
-from l8_prefix import PrefixBlockAllocator, PrefixEngine, PrefixRequest, PrefixScheduler
+from l8_prefix import PrefixEngine, PrefixKvManager, PrefixRequest
 
 from .connector import MODES, KvConnector, OffloadConnector, block_shape, kv_identity
 from .tiers import CpuTier, FileTier, TieredStore
@@ -31,64 +31,68 @@ class OffloadRequest(PrefixRequest):
     external_tokens: int = 0  # tokens the connector promised at this admission
 
 
-class OffloadBlockAllocator(PrefixBlockAllocator):
-    """L8's allocator that tells a listener which cached block it is about to reuse (write-back)."""
+class OffloadKvManager(PrefixKvManager):
+    """L8's manager that asks a connector for the prompt blocks past the device's cached run."""
 
-    on_evict = None  # callable(block, key), set by the engine
+    def __init__(self, alloc, pool, sharing: bool, connector: KvConnector):
+        super().__init__(alloc, pool, sharing)
+        self.connector = connector
 
-    def _evict_lru(self) -> None:
-        block = next(iter(self.cached_free))
-        if self.on_evict is not None:
-            self.on_evict(block, self.key_of[block])  # its K/V is still intact: nothing wrote it yet
-        super()._evict_lru()
-
-
-class OffloadScheduler(PrefixScheduler):
-    connector: KvConnector  # the engine's, set when it makes its scheduler
-
-    def _attach_cached_prefix(self, req: OffloadRequest) -> int:
-        hits = super()._attach_cached_prefix(req)
+    def attach_computed_prefix(self, req: OffloadRequest) -> int:
+        hits = super().attach_computed_prefix(req)
         req.external_tokens = self.connector.get_num_new_matched_tokens(req, hits)
-        req.cur_len += req.external_tokens  # reserve() then gives them blocks like computed ones
+        req.cur_len += req.external_tokens  # allocate() then gives them blocks like computed ones
         return hits + req.external_tokens
 
-    def _try_admit(self, req: OffloadRequest, budget: list) -> int:
+    def release_computed_prefix(self, req: OffloadRequest) -> None:
+        super().release_computed_prefix(req)
         req.external_tokens = 0
-        n = super()._try_admit(req, budget)
-        if n and req.external_tokens:
+
+    def admitted(self, req: OffloadRequest) -> None:
+        super().admitted(req)
+        if req.external_tokens:  # blocks are reserved for them now: the load is promised
             self.connector.update_state_after_alloc(req, req.external_tokens)
-        return n
+        req.external_tokens = 0
+
+    def stateful(self) -> list:
+        return [*super().stateful(), self.connector, self.connector.counters]
 
 
 class OffloadEngine(PrefixEngine):
     request_cls = OffloadRequest
-    allocator_cls = OffloadBlockAllocator
-    scheduler_cls = OffloadScheduler
 
     def __init__(self, model, pool, alloc, connector: KvConnector | None = None, **kwargs):
-        self.connector = connector or KvConnector()
-        if not kwargs.get("prefix_sharing", True) and type(self.connector) is not KvConnector:
+        connector = connector or KvConnector()
+        if not kwargs.get("prefix_sharing", True) and type(connector) is not KvConnector:
             raise InputError("a connector finds blocks by their prefix keys: turn prefix sharing on")
+        self._initial_connector = connector  # make_kv_manager hands it to the manager
         self.delayed: dict[int, OffloadRequest] = {}  # finished, blocks kept for the connector
         self.recomputed_after_failed_loads = 0  # tokens computed because their blocks failed to load
         super().__init__(model, pool, alloc, **kwargs)
         alloc.on_evict = lambda block, key: self.connector.on_device_evict(block, key, self.pool)
 
-    def _make_scheduler(self, policy, prefill_chunk, watermark_blocks):
-        scheduler = super()._make_scheduler(policy, prefill_chunk, watermark_blocks)
-        scheduler.connector = self.connector
-        return scheduler
+    def make_kv_manager(self) -> OffloadKvManager:
+        return OffloadKvManager(self.alloc, self.pool, self.sharing, self._initial_connector)
+
+    @property
+    def connector(self) -> KvConnector:
+        """The KV manager's connector; setting it swaps the connector (between steps)."""
+        return self.kv.connector
+
+    @connector.setter
+    def connector(self, connector: KvConnector) -> None:
+        self.kv.connector = connector
 
     def step(self):
         record = super().step()
         self.release_finished()
         return record
 
-    def _run(self, plan):
+    def run_plan(self, plan):
         meta = self.connector.build_connector_meta(plan)
         self.connector.start_load_kv(meta, self.pool)
         self._recompute_failed_loads(plan, self.connector.take_load_failures())
-        tokens = super()._run(plan)
+        tokens = super().run_plan(plan)
         self.connector.wait_for_save(meta, self.pool)
         return tokens
 
@@ -102,9 +106,9 @@ class OffloadEngine(PrefixEngine):
                 self.recomputed_after_failed_loads += req.cur_len - start
                 req.cur_len = start
 
-    def _finish(self, req: OffloadRequest, reason: str) -> None:
+    def finish(self, req: OffloadRequest, reason: str) -> None:
         if reason in ("aborted", "error") or not self.connector.request_finished(req):
-            return super()._finish(req, reason)
+            return super().finish(req, reason)
         self.scheduler.remove(req)  # its blocks stay until the connector says they may go
         req.state, req.finish_reason = State.FINISHED, reason
         self.delayed[req.request_id] = req
@@ -115,9 +119,6 @@ class OffloadEngine(PrefixEngine):
         for rid in done:
             release(self.delayed.pop(rid), self.alloc)
         return done
-
-    def _stateful(self) -> list:
-        return [*super()._stateful(), self.connector, self.connector.counters]
 
     def summary(self) -> dict:
         out = {**super().summary(), **vars(self.connector.counters),

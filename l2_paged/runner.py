@@ -75,18 +75,12 @@ class PagedRunner:
 
     def reserve_all(self, reqs: list[Request], num_new: list[int]) -> None:
         """Blocks for every request of the step, or (OutOfBlocksError) none at all."""
-        missing = sum(self._missing_blocks(r, r.cur_len + n) for r, n in zip(reqs, num_new))
+        bs = self.alloc.block_size
+        missing = sum(max(0, blocks_needed(r.cur_len + n, bs) - len(r.blocks)) for r, n in zip(reqs, num_new))
         if missing > self.alloc.num_free:
             raise OutOfBlocksError(missing, self.alloc.num_free)
         for req, n in zip(reqs, num_new):
-            self._reserve_positions(req, req.cur_len + n)
-
-    def _missing_blocks(self, req: Request, num_positions: int) -> int:
-        """Blocks `req` still needs for `num_positions` positions (L13: counted per group of layers)."""
-        return max(0, blocks_needed(num_positions, self.alloc.block_size) - len(req.blocks))
-
-    def _reserve_positions(self, req: Request, num_positions: int) -> None:
-        reserve(req, self.alloc, num_positions)
+            reserve(req, self.alloc, req.cur_len + n)
 
     def forward(self, reqs: list[Request], num_new: list[int]) -> list[int]:
         """`forward_logits`, then the greedy id of each request."""

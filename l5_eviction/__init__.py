@@ -1,12 +1,14 @@
 """L5: a scheduler with continuous batching that preempts (recompute or swap) when the pool is full."""
 
-from .engine import DEFAULT_PREFILL_CHUNK, Engine, EngineStalledError, StepRecord, WorkItem, generated_ids, make_engine
+from .engine import DEFAULT_PREFILL_CHUNK, Engine, EngineStalledError, generated_ids, make_engine
+from .kv_manager import KvManager
 from .lifecycle import EngineRequest, State, SwappedKv
 from .mixed import (MixedBatchAttention, MixedBatchMeta, StepRunner, build_step_meta, check_engine_model,
                     engine_backend, load_engine_model)
 from .policies import POLICIES, ScorePolicy, lru_key, make_policy, priority_key
 from .preempt import MODES, PreemptCounters, Preemptor, trim
 from .scheduler import RequestTooLargeError, Scheduler
+from .workload import StepRecord, WorkItem
 
 __all__ = [
     "EngineStalledError",
@@ -14,5 +16,5 @@ __all__ = [
     "EngineRequest", "State", "SwappedKv", "MixedBatchAttention", "MixedBatchMeta", "StepRunner", "build_step_meta",
     "check_engine_model", "engine_backend", "load_engine_model", "POLICIES", "ScorePolicy", "lru_key",
     "make_policy", "priority_key", "MODES", "PreemptCounters", "Preemptor", "trim",
-    "RequestTooLargeError", "Scheduler",
+    "RequestTooLargeError", "Scheduler", "KvManager",
 ]

@@ -13,12 +13,8 @@
 
 from __future__ import annotations
 
-import copy
-from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-
-import torch
+from dataclasses import asdict
 
 from l1_contiguous import InputError
 from l1_contiguous.errors import short_repr
@@ -26,35 +22,14 @@ from l2_paged import BlockAllocator, blocks_needed
 from l2_paged.allocator import check_pool_shape
 from l3_block_kernel import BlockKvPool
 
+from .kv_manager import KvManager
 from .lifecycle import EngineRequest, State
 from .mixed import StepRunner
 from .policies import make_policy
 from .preempt import Preemptor
+from .rollback import PendingRollback, restore, snapshot
 from .scheduler import Scheduler
-
-
-@dataclass
-class WorkItem:
-    """One request of a workload."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int = 20
-    arrival_step: int = 0
-    priority: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class StepRecord:
-    step: int
-    blocks_used: int
-    blocks_free: int
-    running: int
-    waiting: int
-    swapped: int
-    prefill_tokens: int
-    decode_tokens: int
-    preempted: list[int] = field(default_factory=list)  # request ids preempted during this step
+from .workload import StepRecord, WorkItem, available_host_memory, check_work_item, is_int
 
 
 # Prompt tokens one step may compute (all prefills together; decodes are not charged). Without a
@@ -62,10 +37,6 @@ class StepRecord:
 # for it, and its attention mask is 9,216 x 9,216. 256 bounds a step's prefill rows (and its mask)
 # whatever arrives, and is a multiple of every block size the course uses.
 DEFAULT_PREFILL_CHUNK = 256
-# Priorities are added to fractions in ScorePolicy's float score: beyond 1e9 those fractions stop
-# counting (a float64 keeps about 16 digits).
-MAX_PRIORITY = 10**9
-MAX_ARRIVAL_STEP = 10**9  # a step number; past this a workload could not finish in any test or run
 # Steps in a row that compute no token while requests wait to run: the engine is stuck (a leaked
 # block, a scheduler that never admits), and `run` says so instead of spinning to max_steps.
 STALL_STEPS = 100
@@ -76,9 +47,14 @@ class EngineStalledError(RuntimeError):
 
 
 class Engine:
+    """Hooks a later lesson overrides (each documented where it is defined; nothing else is meant
+    to be): make_kv_manager, make_scheduler, new_request, check_item, enqueue, run_plan, sample,
+    commit, maybe_finish, finish, stateful. Everything about blocks is the KV manager's (`self.kv`)."""
+
     request_cls = EngineRequest
     allocator_cls = BlockAllocator  # what make_engine builds for it (L8: a prefix-caching one)
     pool_cls = BlockKvPool  # ... and its pool (L13: one shared by groups of layers)
+    kv_manager_cls = KvManager
     runner_cls = StepRunner
     preemptor_cls = Preemptor
 
@@ -86,19 +62,25 @@ class Engine:
                  preempt: str = "recompute", prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
                  watermark_blocks: int = 1, backend: str | None = None):
         self.model, self.pool, self.alloc = model, pool, alloc
-        self.runner = self.runner_cls(model, pool, alloc, backend=backend)
+        self.kv = self.make_kv_manager()
+        self.runner = self.runner_cls(model, self.kv, backend=backend)
         self.preemptor = self.preemptor_cls(pool, alloc, preempt)
-        self.scheduler = self._make_scheduler(make_policy(policy, alloc.num_blocks), prefill_chunk,
+        self.scheduler = self.make_scheduler(make_policy(policy, alloc.num_blocks), prefill_chunk,
                                               watermark_blocks)
         self.eos_ids = set(model.config.eos_token_ids)
         self.requests: dict[int, EngineRequest] = {}
         self.future: list[EngineRequest] = []  # added with an arrival step still ahead
         self.timeline: list[StepRecord] = []
         self.now = 0
-        self._pending_rollback: _PendingRollback | None = None  # a rollback a second interrupt cut short
+        self._pending_rollback: PendingRollback | None = None  # a rollback a second interrupt cut short
 
-    def _make_scheduler(self, policy, prefill_chunk, watermark_blocks) -> Scheduler:
-        return Scheduler(self.alloc, policy, self.preemptor, prefill_chunk, watermark_blocks)
+    def make_kv_manager(self) -> KvManager:
+        """A hook: the manager of this engine's blocks (L8, L13 and L14 pass it their options)."""
+        return self.kv_manager_cls(self.alloc, self.pool)
+
+    def make_scheduler(self, policy, prefill_chunk, watermark_blocks) -> Scheduler:
+        """A hook: the scheduler (L8 and L10 build theirs with their own options)."""
+        return Scheduler(self.kv, policy, self.preemptor, prefill_chunk, watermark_blocks)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -106,9 +88,9 @@ class Engine:
         """Queue one request; InputError (nothing queued) when the item cannot run on this model.
         All or nothing: whatever interrupts it, nothing of the request stays queued."""
         self._finish_rollback()
-        self._check_item(item)
+        self.check_item(item)
         with self._all_or_nothing([self, self.scheduler]):
-            return self._add(item)
+            return self.enqueue(item)
 
     def adopt_running(self, item: WorkItem, blocks: list[int], first_token: int) -> EngineRequest:
         """A request whose prompt's K/V was computed elsewhere (another engine: L14's prefill rank)
@@ -118,24 +100,24 @@ class Engine:
         `add_request` would refuse (one too large for the pool included), a block count that does
         not fit the prompt, or a token id outside the vocabulary."""
         self._finish_rollback()
-        self._check_item(item)
+        self.check_item(item)
         n, bs = len(item.prompt_ids), self.alloc.block_size
         if len(blocks) != blocks_needed(n, bs):
             raise InputError(f"a prompt of {n} tokens sits in {blocks_needed(n, bs)} blocks of {bs}, not {len(blocks)}")
-        if not _is_int(first_token) or not 0 <= first_token < self.model.config.vocab_size:
+        if not is_int(first_token) or not 0 <= first_token < self.model.config.vocab_size:
             raise InputError(f"first token {short_repr(first_token)} is not an id of this model's vocabulary")
-        req = self._new_request(item)
+        req = self.new_request(item)
         self.scheduler.check(req)  # one that could never run here (its decode outgrows the pool) is refused now
         with self._all_or_nothing():
             req.blocks, req.slot_indices = list(blocks), [b * bs + i for b in blocks for i in range(bs)]
             req.cur_len, req.state = n, State.RUNNING
             self.requests[req.request_id] = req
             self.scheduler.running.append(req)
-            self._commit([(req, 0)], {req.request_id: first_token})  # as after the step that computed it
+            self.commit([(req, 0)], {req.request_id: first_token})  # as after the step that computed it
             return req
 
-    def _add(self, item: WorkItem) -> EngineRequest:
-        req = self._new_request(item)
+    def enqueue(self, item: WorkItem) -> EngineRequest:
+        req = self.new_request(item)
         if req.arrival_step <= self.now:
             self.scheduler.add(req)
         else:
@@ -144,50 +126,29 @@ class Engine:
         self.requests[req.request_id] = req
         return req
 
-    def _new_request(self, item: WorkItem) -> EngineRequest:
+    def new_request(self, item: WorkItem) -> EngineRequest:
         return self.request_cls(list(item.prompt_ids), item.max_new_tokens, request_id=len(self.requests),
                                 priority=item.priority, arrival_step=max(item.arrival_step, self.now),
                                 stop_token_ids=tuple(item.stop_token_ids))
 
-    def _check_item(self, item: WorkItem) -> None:
-        """Every id, type and length checked at the door, so a bad request never reaches a step.
-        (An empty prompt or max_new_tokens < 1 is the scheduler's `check`, which says why.)"""
-        who, cfg = f"request {len(self.requests)}", self.model.config
-        if not isinstance(item, WorkItem):
-            raise InputError(f"{who}: add_request takes a WorkItem, got {type(item).__name__} {short_repr(item)}")
-        ids, stop_ids = item.prompt_ids, item.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
-            raise InputError(f"{who}: prompt_ids must be a list of ints, got {short_repr(ids)}")
-        if not isinstance(stop_ids, (list, tuple, set, frozenset)) or not all(_is_int(i) for i in stop_ids):
-            raise InputError(f"{who}: stop_token_ids must be a list of ints, got {short_repr(stop_ids)}")
-        bad = next((i for i in [*ids, *stop_ids] if not 0 <= i < cfg.vocab_size), None)
-        if bad is not None:
-            raise InputError(f"{who}: token id {bad!r} is outside the vocabulary 0..{cfg.vocab_size - 1}")
-        if not _is_int(item.max_new_tokens):
-            raise InputError(f"{who}: max_new_tokens must be an int, got {item.max_new_tokens!r}")
-        if len(ids) + item.max_new_tokens > cfg.max_position_embeddings:
-            raise InputError(f"{who}: {len(ids)} prompt + {item.max_new_tokens} new tokens exceed the model's "
-                             f"{cfg.max_position_embeddings} positions; shorten it")
-        if isinstance(item.priority, bool) or not isinstance(item.priority, (int, float)) \
-                or not -MAX_PRIORITY <= item.priority <= MAX_PRIORITY:  # NaN fails this too
-            raise InputError(f"{who}: priority must be a number from -10**9 to 10**9 (a policy weighs it "
-                             f"in a float score), got {short_repr(item.priority)}")
-        if not _is_int(item.arrival_step) or not 0 <= item.arrival_step <= MAX_ARRIVAL_STEP:
-            raise InputError(f"{who}: arrival_step must be an int from 0 to 10**9 (a step number), "
-                             f"got {short_repr(item.arrival_step)}")
+    def check_item(self, item: WorkItem) -> None:
+        """A hook: every id, type and length checked at the door, so a bad request never reaches a
+        step; InputError naming the request otherwise (L8 and L11 check their own fields too)."""
+        check_work_item(item, self.model.config, f"request {len(self.requests)}")
 
     def abort(self, request_id: int) -> None:
         """Finish a request now (finish_reason "aborted"), freeing what it holds; all or nothing."""
         self._finish_rollback()
-        if not _is_int(request_id) or request_id not in self.requests:
+        if not is_int(request_id) or request_id not in self.requests:
             raise InputError(f"abort: no request has id {short_repr(request_id)} (ids are 0..{len(self.requests) - 1})")
         req = self.requests[request_id]
         if req.state is State.FINISHED:
             return
-        with self._all_or_nothing([self, self.scheduler, self.alloc, self.preemptor, self.preemptor.counters, req]):
+        with self._all_or_nothing([self, self.scheduler, *self.kv.stateful(), self.preemptor,
+                                   self.preemptor.counters, req]):
             if req in self.future:
                 self.future.remove(req)
-            self._finish(req, "aborted")
+            self.finish(req, "aborted")
 
     # ------------------------------------------------------------------ one step
 
@@ -204,45 +165,46 @@ class Engine:
         with self._all_or_nothing():
             self._arrivals()
             plan = self.scheduler.schedule(self.now)
-            tokens = self._run(plan)
-            self._commit(plan, tokens)
-            record = self._record(plan)
+            tokens = self.run_plan(plan)
+            self.commit(plan, tokens)
+            record = self.record(plan)
             self.now += 1
             return record
 
-    def _run(self, plan) -> dict[int, int]:
+    def run_plan(self, plan) -> dict[int, int]:
         """One forward for the whole plan, decodes first (see mixed.py); request id -> sampled token."""
         if not plan:
             return {}
         ordered = sorted(plan, key=lambda entry: entry[1] > 1)  # stable: policy order within each kind
         reqs, num_new = [r for r, _ in ordered], [n for _, n in ordered]
         logits = self.runner.forward_logits(reqs, num_new)
-        return dict(zip((r.request_id for r in reqs), self._sample(reqs, logits)))
+        return dict(zip((r.request_id for r in reqs), self.sample(reqs, logits)))
 
-    def _sample(self, reqs: list[EngineRequest], logits) -> list[int]:
+    def sample(self, reqs: list[EngineRequest], logits) -> list[int]:
         """Greedy. (L8 adds temperature sampling with a generator per request.)"""
         return logits.argmax(-1).tolist()
 
     # ------------------------------------------------------------------ rollback
 
-    def _stateful(self) -> list:
-        """Every object a step may change (the pool aside; see `step`)."""
+    def stateful(self) -> list:
+        """A hook: every object a step may change (the pool aside; see `step`). A lesson that
+        adds state a step changes (counters, a drafter, a connector) extends this list."""
         live = [r for r in self.requests.values() if r.state is not State.FINISHED]
-        return [self, self.scheduler, self.alloc, self.preemptor, self.preemptor.counters, *live]
+        return [self, self.scheduler, *self.kv.stateful(), self.preemptor, self.preemptor.counters, *live]
 
     @contextmanager
     def _all_or_nothing(self, objects: list | None = None):
-        """Run the block; on any exception put `objects` (default: `_stateful()`) back as they were.
+        """Run the block; on any exception put `objects` (default: `stateful()`) back as they were.
         The rollback is noted first, so that if a second interrupt cuts it short the next call
         finishes it (`_finish_rollback`) before doing anything else."""
-        saved = self._snapshot(objects)
+        saved = snapshot(self.stateful() if objects is None else objects)
         try:
             yield
         except BaseException:
             # Taken before anything is restored, so that a repeated rollback still knows them.
             victims = [obj for obj, state in saved
                        if isinstance(obj, EngineRequest) and obj.num_preemptions != state["num_preemptions"]]
-            self._pending_rollback = _PendingRollback(saved, victims, self._failure_marks())
+            self._pending_rollback = PendingRollback(saved, victims, self.kv.failure_marks())
             self._finish_rollback()
             raise
 
@@ -253,43 +215,33 @@ class Engine:
             self._roll_back(pending.saved, pending.victims, pending.marks)
             self._pending_rollback = None
 
-    def _failure_marks(self):
-        """What a rollback must know about the state at the failure (L8: the cache keys then)."""
-        return None
-
-    def _snapshot(self, objects: list | None = None) -> list:
-        return [(obj, {k: _saved(v) for k, v in vars(obj).items() if k != "_pending_rollback"})
-                for obj in (self._stateful() if objects is None else objects)]
-
-    def _roll_back(self, saved: list, victims: list[EngineRequest], marks=None) -> None:
-        """Restore `saved`; then each victim the failed step preempted is preempted for recompute."""
-        for obj, state in saved:
-            current = vars(obj)
-            current.update({k: _restored(v) for k, v in state.items()})
-            for key in [k for k in current if k not in state and k != "_pending_rollback"]:
-                del current[key]
+    def _roll_back(self, saved: list, victims: list[EngineRequest], marks) -> None:
+        """Restore `saved`; the manager forgets what the failed step may have overwritten (`marks`:
+        its state at the failure); then each victim the step preempted is preempted for recompute."""
+        restore(saved)
+        self.kv.repair_after_rollback(marks)
         for req in victims:  # back to before the step, then preempted without its (maybe reused) blocks
             if req in self.scheduler.running:
                 self.scheduler.running.remove(req)
                 self.preemptor.drop_for_recompute(req)
                 self.scheduler.waiting.appendleft(req)
 
-    def _commit(self, plan, tokens: dict[int, int]) -> None:
+    def commit(self, plan, tokens: dict[int, int]) -> None:
         for req, _ in plan:
             if req.error is not None:  # its own failure this step (see _sample): it alone stops
-                self._finish(req, "error")
+                self.finish(req, "error")
             elif req.num_pending == 0:  # the whole history is cached: the token is real
                 req.output_ids.append(tokens[req.request_id])
-                self._maybe_finish(req)
+                self.maybe_finish(req)
 
-    def _maybe_finish(self, req: EngineRequest) -> None:
+    def maybe_finish(self, req: EngineRequest) -> None:
         token = req.output_ids[-1]
         reason = ("eos" if token in self.eos_ids else "stop" if token in req.stop_token_ids
                   else "length" if len(req.output_ids) >= req.max_new_tokens else None)
         if reason:
-            self._finish(req, reason)
+            self.finish(req, reason)
 
-    def _finish(self, req: EngineRequest, reason: str) -> None:
+    def finish(self, req: EngineRequest, reason: str) -> None:
         self.scheduler.remove(req)
         self.preemptor.discard(req)  # frees its blocks now
         req.state, req.finish_reason = State.FINISHED, reason
@@ -336,7 +288,7 @@ class Engine:
 
     # ------------------------------------------------------------------ counters
 
-    def _record(self, plan) -> StepRecord:
+    def record(self, plan) -> StepRecord:
         s = self.scheduler
         record = StepRecord(
             step=self.now, blocks_used=self.alloc.num_used, blocks_free=self.alloc.num_free,
@@ -354,57 +306,8 @@ class Engine:
                 "swapped_copies_left": sum(r.swapped is not None for r in self.requests.values())}
 
 
-@dataclass
-class _PendingRollback:
-    """A step's (or call's) saved state, kept until its rollback has completed."""
-
-    saved: list
-    victims: list[EngineRequest]
-    marks: object  # `_failure_marks()` at the failure
-
-
-class _GeneratorState:
-    def __init__(self, generator: torch.Generator):
-        self.generator, self.state = generator, generator.get_state()
-
-
-def _saved(value):
-    """A copy deep enough to undo a step: containers one level down (they hold ids, blocks, requests
-    or immutable keys), a random generator's state, anything else by reference."""
-    if isinstance(value, (list, dict, set, deque)):
-        return copy.copy(value)
-    if isinstance(value, torch.Generator):
-        return _GeneratorState(value)
-    return value
-
-
-def _restored(value):
-    if isinstance(value, (list, dict, set, deque)):  # a fresh copy: a repeated rollback starts clean
-        return copy.copy(value)
-    if isinstance(value, _GeneratorState):
-        value.generator.set_state(value.state)
-        return value.generator
-    return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def generated_ids(requests: dict[int, EngineRequest]) -> dict[int, list[int]]:
     return {i: r.output_ids for i, r in requests.items()}
-
-
-def available_host_memory() -> int | None:
-    """Bytes of memory the machine can still give (Linux's MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def make_engine(model, num_blocks: int, block_size: int = 16, engine_cls: type[Engine] = Engine,

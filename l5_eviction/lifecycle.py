@@ -55,3 +55,8 @@ class EngineRequest(Request):
     def num_pending(self) -> int:
         """Tokens without K/V yet: the prompt (or a chunk's rest) at prefill, 1 when decoding."""
         return len(self.tokens) - self.cur_len
+
+    @property
+    def in_prefill(self) -> bool:
+        """Are its pending tokens prompt (or a recompute's history), not one decode?"""
+        return self.num_pending > 1

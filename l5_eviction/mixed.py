@@ -17,6 +17,7 @@ import functools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from l3_block_kernel.kernel_build import load_cpu_kernel
 
 from .fast_linear import use_packed_linears
 from .fused import fuse_projections, fused_project_qkv
+
+if TYPE_CHECKING:
+    from .kv_manager import KvManager
 
 
 @dataclass
@@ -128,14 +132,19 @@ def _say_once(message: str) -> None:
 
 
 class StepRunner(BlockTableRunner):
-    """L3's runner with the metadata of a (possibly mixed) step; `forward_logits` is inherited."""
+    """L3's runner on a step's (possibly mixed) batch; blocks and metadata come from the KV manager
+    (kv_manager.py), so a lesson that keeps K/V differently changes the manager, not the runner."""
 
-    def __init__(self, model, pool, alloc, backend: str | None = None):
+    def __init__(self, model, kv: KvManager, backend: str | None = None):
         check_engine_model(model)
-        super().__init__(model, pool, alloc, backend=backend or engine_backend(model.device, model.dtype))
+        self.kv = kv
+        super().__init__(model, kv.pool, kv.alloc, backend=backend or engine_backend(model.device, model.dtype))
+
+    def reserve_all(self, reqs, num_new) -> None:
+        self.kv.allocate_step(reqs, num_new)
 
     def build_meta(self, reqs, num_new):
-        return build_step_meta(reqs, num_new, self.model.device, self.backend)
+        return self.kv.step_metadata(reqs, num_new, self.model.device, self.backend)
 
 
 def check_engine_model(model) -> None:

@@ -2,12 +2,14 @@
 
 from .block_hash import block_key, chain_keys, tagged_key
 from .cow import copy_on_write, shared_write_block
-from .engine import (GREEDY_BELOW, PrefixCounters, PrefixEngine, PrefixRequest, PrefixScheduler, SampledWorkItem,
-                     draw, is_greedy, make_prefix_engine)
+from .engine import PrefixEngine, PrefixScheduler, make_prefix_engine
+from .kv_manager import PrefixCounters, PrefixKvManager
 from .prefix_allocator import PrefixBlockAllocator
+from .request import PrefixRequest
+from .sampling import GREEDY_BELOW, SampledWorkItem, draw, draw_or_fail, is_greedy
 
 __all__ = [
     "block_key", "chain_keys", "tagged_key", "copy_on_write", "shared_write_block", "PrefixCounters", "PrefixEngine",
-    "PrefixRequest", "PrefixScheduler", "SampledWorkItem", "draw", "make_prefix_engine", "GREEDY_BELOW", "is_greedy",
-    "PrefixBlockAllocator",
+    "PrefixKvManager", "PrefixRequest", "PrefixScheduler", "SampledWorkItem", "draw", "draw_or_fail",
+    "make_prefix_engine", "GREEDY_BELOW", "is_greedy", "PrefixBlockAllocator",
 ]

@@ -15,6 +15,7 @@ counts both free kinds.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from l2_paged import BlockAllocator, OutOfBlocksError
 
@@ -27,6 +28,9 @@ class PrefixBlockAllocator(BlockAllocator):
         self.block_of: dict[bytes, int] = {}
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self.evicted_cached = 0
+        # A hook: called as on_evict(block, key) just before a cached block is reused, while its
+        # K/V is still intact (L14 writes it back to a slower tier there).
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -54,7 +58,10 @@ class PrefixBlockAllocator(BlockAllocator):
         # END SOLUTION
 
     def _evict_lru(self) -> None:
-        self.forget(next(iter(self.cached_free)))
+        block = next(iter(self.cached_free))
+        if self.on_evict is not None:
+            self.on_evict(block, self.key_of[block])
+        self.forget(block)
         self.evicted_cached += 1
 
     def forget(self, block: int) -> None:

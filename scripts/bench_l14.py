@@ -216,7 +216,7 @@ def pd_rank(model_dir: Path, out: str) -> int:
     engine = make_offload_engine(model, num_blocks, BS)
     if rank == transport.PREFILL_RANK:
         connector = pd.PdSendConnector(engine.pool, BS, {i: w.max_new_tokens for i, w in enumerate(items)})
-        engine.connector = engine.scheduler.connector = connector
+        engine.connector = connector
         transport.init_group(60)
         figures = pd.run_prefill_rank(engine, items)
     else:

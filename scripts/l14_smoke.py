@@ -202,7 +202,7 @@ def pd_engine(args, setup, items, connector=None):
     engine = make_offload_engine(model, num_blocks, args.block_size, prefill_chunk=args.prefill_chunk,
                                  backend=backend)
     if connector is not None:
-        engine.connector = engine.scheduler.connector = connector(engine)
+        engine.connector = connector(engine)
     return engine
 
 

@@ -31,7 +31,7 @@ from harness.benchmark import ModelCost, StepShape, load_average, measure_machin
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l2_paged import BlockAllocator  # noqa: E402
 from l3_block_kernel import BlockKvPool  # noqa: E402
-from l5_eviction import EngineRequest, StepRunner, load_engine_model  # noqa: E402
+from l5_eviction import EngineRequest, KvManager, StepRunner, load_engine_model  # noqa: E402
 from l5_eviction.fast_linear import PackedLinear  # noqa: E402
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -60,8 +60,8 @@ class StepBench:
         lengths = [decode_len] * max(DECODE_ROWS) + [prefill_len]
         tokens = sum(lengths) + 16 * len(lengths)
         pool_blocks = tokens // 16 + len(lengths)
-        self.runner = StepRunner(model, BlockKvPool(cfg, pool_blocks, 16, model.dtype, model.device),
-                                 BlockAllocator(pool_blocks, 16))
+        self.runner = StepRunner(model, KvManager(BlockAllocator(pool_blocks, 16),
+                                                  BlockKvPool(cfg, pool_blocks, 16, model.dtype, model.device)))
         self.reqs = [EngineRequest([rng.randrange(cfg.vocab_size) for _ in range(n)], 1, request_id=i)
                      for i, n in enumerate(lengths)]
         per_forward = max(1, 256 // context)  # each decoding request: `context` tokens cached

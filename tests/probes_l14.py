@@ -92,7 +92,7 @@ class RecordingConnector(OffloadConnector):
 
 
 def use_connector(engine, connector) -> None:
-    engine.connector = engine.scheduler.connector = connector
+    engine.connector = connector
 
 
 def fail_next_forward(engine) -> None:

@@ -150,7 +150,7 @@ def test_a_stale_cached_block_reused_in_l8_fails(capsys, monkeypatch):
     first prompt's second block (the same tokens S, after another block, at other positions) and
     reuses K/V computed for another context."""
     import l8_prefix.block_hash as block_hash
-    import l8_prefix.engine as engine
+    import l8_prefix.kv_manager as engine
 
     original = block_hash.block_key
 

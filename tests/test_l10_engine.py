@@ -210,7 +210,7 @@ INTERRUPT_POINTS = {  # name: (object of the engine, method, after its work?)
     "verify forward done": (lambda e: e.runner, "forward_logits", True),
     "acceptance": (lambda e: e, "_verify", True),
     "rewound, not yet committed": (lambda e: e, "_settle", True),
-    "keying after a rewind": (lambda e: e, "_register_full_blocks", False),
+    "keying after a rewind": (lambda e: e.kv, "after_forward", False),
 }
 
 

@@ -20,7 +20,7 @@ from helpers import hf_ids, random_prompt
 from l1_contiguous import InputError, Qwen3Config
 from l2_paged import BlockAllocator, blocks_needed, bytes_per_block, reserve
 from l3_block_kernel import BlockKvPool
-from l5_eviction import (MODES, POLICIES, EngineRequest, Preemptor, RequestTooLargeError, Scheduler, ScorePolicy,
+from l5_eviction import (MODES, POLICIES, EngineRequest, KvManager, Preemptor, RequestTooLargeError, Scheduler, ScorePolicy,
                          State, WorkItem, load_engine_model, lru_key, make_engine, make_policy, priority_key)
 
 pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
@@ -203,7 +203,7 @@ def hand_built(policy, reqs: list[EngineRequest], mode="recompute", watermark=1)
     pool = BlockKvPool(TINY_CFG, total, BLOCK_SIZE, torch.float32)
     for r in reqs:
         reserve(r, alloc, r.cur_len)
-    sched = Scheduler(alloc, policy, Preemptor(pool, alloc, mode), watermark_blocks=watermark)
+    sched = Scheduler(KvManager(alloc, pool), policy, Preemptor(pool, alloc, mode), watermark_blocks=watermark)
     sched.running = list(reqs)
     assert alloc.num_free == 0
     return sched
@@ -290,7 +290,7 @@ def test_lru_evicts_the_least_recently_scheduled(mode):
     victim = reqs[3]
     assert victim.blocks == [] and victim not in sched.running
     assert [r.request_id for r, _ in plan] == [0, 1, 4, 2]  # served most recently scheduled first
-    assert len(reqs[0].blocks) == 3 and sched.alloc.num_free == 1  # X got its block; 1 of 2 left over
+    assert len(reqs[0].blocks) == 3 and sched.kv.num_free == 1  # X got its block; 1 of 2 left over
     if mode == "swap":
         assert victim.state is State.SWAPPED and list(sched.swapped) == [victim]
         bpb = bytes_per_block(TINY_CFG, BLOCK_SIZE, torch.float32)
@@ -365,7 +365,7 @@ def test_a_request_with_nobody_left_to_evict_preempts_itself(mode):
     plan = sched.schedule(now=10)
     assert plan == [(y, 1)] and sched.preemptor.take_events() == [1]
     preempted = State.SWAPPED if mode == "swap" else State.WAITING
-    assert x.state is preempted and x.blocks == [] and sched.alloc.num_free == 2
+    assert x.state is preempted and x.blocks == [] and sched.kv.num_free == 2
 
 
 # Making room victim after victim until the request fits is _make_room's whole job: most of its points.
@@ -384,7 +384,7 @@ def test_a_prefill_chunk_preempts_as_many_victims_as_it_takes(victims_needed, mo
     for r in [p, *victims]:
         reserve(r, alloc, r.cur_len)
     pool = BlockKvPool(TINY_CFG, 1 + victims_needed, BLOCK_SIZE, torch.float32)
-    sched = Scheduler(alloc, lru_key, Preemptor(pool, alloc, mode), prefill_chunk=chunk, watermark_blocks=1)
+    sched = Scheduler(KvManager(alloc, pool), lru_key, Preemptor(pool, alloc, mode), prefill_chunk=chunk, watermark_blocks=1)
     sched.running = [p, *victims]
     plan = sched.schedule(now=10)
     assert plan == [(p, chunk)]

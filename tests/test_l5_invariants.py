@@ -194,7 +194,7 @@ def test_failure_inside_a_step_rolls_it_back(where, mode, model, tiny_model_dir,
         engine.step()
     before = {i: (r.state, r.cur_len, list(r.output_ids)) for i, r in engine.requests.items()}
     if where == "sampling":
-        monkeypatch.setattr(engine, "_sample", fail_to_sample)
+        monkeypatch.setattr(engine, "sample", fail_to_sample)
     else:
         arm_fault(monkeypatch, model.model.layers[0 if where == "first layer" else -1], on_call=1)
     with pytest.raises(InjectedFault):
@@ -246,7 +246,7 @@ def bounded_steps(engine, items):
         if engine.now >= limit:
             s = engine.scheduler
             pytest.fail(f"not finished after {limit} steps: {len(s.running)} running, {len(s.waiting)} waiting, "
-                        f"{len(s.swapped)} swapped, {s.alloc.num_free} blocks free; a request that is never "
+                        f"{len(s.swapped)} swapped, {s.kv.num_free} blocks free; a request that is never "
                         "admitted or that preempts itself every step (the watermark: L5 §2.4)")
         yield
 

@@ -19,7 +19,7 @@ from l1_contiguous import InputError
 from l2_paged import BlockAllocator, Request, reserve
 from l3_block_kernel import BlockKvPool, BlockTableRunner, load_block_model
 from l3_block_kernel.kernel_build import host_compiler
-from l5_eviction import (MixedBatchMeta, StepRunner, WorkItem, build_step_meta, engine_backend, load_engine_model,
+from l5_eviction import (KvManager, MixedBatchMeta, StepRunner, WorkItem, build_step_meta, engine_backend, load_engine_model,
                          make_engine)
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, outputs, quarter_pool
 
@@ -73,7 +73,7 @@ def test_mixed_forward_equals_two_separate_forwards(model, backend):
     rounding: a matmul over more rows may block its sums differently)."""
     pool, alloc, reqs, num_new = half_done(model)
     pool_b, alloc_b, reqs_b = copy.deepcopy((pool, alloc, reqs))
-    mixed = StepRunner(model, pool, alloc, backend=backend).forward_logits(reqs, num_new)
+    mixed = StepRunner(model, KvManager(alloc, pool), backend=backend).forward_logits(reqs, num_new)
     two = BlockTableRunner(model, pool_b, alloc_b, backend=backend)
     separate = torch.cat([two.forward_logits(reqs_b[:2], [1, 1]), two.forward_logits(reqs_b[2:], [9, 3])])
     torch.testing.assert_close(mixed, separate, rtol=1e-5, atol=1e-5)

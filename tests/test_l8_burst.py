@@ -16,7 +16,7 @@ from harness import hf_reference as hf
 from helpers import budget
 from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, load_engine_model
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
-from l8_prefix.engine import PrefixRequest, pending_keys
+from l8_prefix import PrefixRequest
 from test_l8_engine import PREFIX, VOCAB, by_sample, check_all_released, check_invariants, guard_writes, run_checked, tail
 from test_l8_engine import hf_ref, model  # noqa: F401  (fixtures)
 
@@ -136,7 +136,7 @@ def test_prefix_in_flight_asks_only_about_the_first_block_that_is_not_cached(mod
     for rid, (tokens, in_flight, expected) in enumerate(cases, start=100):
         refs = list(alloc.ref_count)
         req = PrefixRequest(list(tokens), 3, request_id=rid)
-        assert engine.scheduler._prefix_in_flight(req, set(in_flight)) is expected, (len(tokens), rid)
+        assert engine.kv.prefix_in_flight(req, set(in_flight)) is expected, (len(tokens), rid)
         assert list(alloc.ref_count) == refs and req.blocks == [] and req.cur_len == 0
 
 
@@ -210,10 +210,10 @@ def test_pending_keys_are_the_prompt_blocks_not_keyed_yet(model):
     engine = make(model, prefill_chunk=8)
     req = engine.add_request(WorkItem(P + TAILS[0], 2))
     engine.step()  # 8 of 27 tokens: 2 blocks keyed, 4 more full prompt blocks to go
-    assert pending_keys(req) == chain_keys(req.tokens[:-1], 4)[2:] and len(pending_keys(req)) == 4
+    assert engine.kv.pending_keys(req) == chain_keys(req.tokens[:-1], 4)[2:] and len(engine.kv.pending_keys(req)) == 4
     while req.num_pending > 1:
         engine.step()
-    assert pending_keys(req) == []
+    assert engine.kv.pending_keys(req) == []
 
 
 def test_l8_smoke_with_arrivals_together_holds_and_matches_hf(capsys):

@@ -15,7 +15,7 @@ from helpers import blocks_for, random_prompt
 from probes_l8 import poison_blocks
 from l5_eviction import State, WorkItem, load_engine_model
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
-from l8_prefix.engine import PrefixRequest
+from l8_prefix import PrefixRequest
 
 pytestmark = [pytest.mark.l8, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -156,7 +156,7 @@ def test_attach_cached_prefix_takes_the_longest_cached_run_but_never_the_last_to
     for rid, (tokens, hits) in enumerate(cases, start=100):
         req = PrefixRequest(list(tokens), 3, request_id=rid)
         refs = [alloc.ref_count[b] for b in cached]
-        assert engine.scheduler._attach_cached_prefix(req) == req.cur_len == hits * BS, (len(tokens), hits)
+        assert engine.kv.attach_computed_prefix(req) == req.cur_len == hits * BS, (len(tokens), hits)
         assert req.blocks == cached[:hits] and req.block_keys == keys[:hits]
         assert req.slot_indices == [b * BS + i for b in cached[:hits] for i in range(BS)]
         assert [alloc.ref_count[b] for b in cached] == [r + (i < hits) for i, r in enumerate(refs)]
@@ -369,7 +369,7 @@ def test_preempting_a_request_that_shares_blocks_only_drops_its_references(model
     shared, a_table = b.blocks[:5], list(a.blocks)
     assert shared == a.blocks[:5] and all(engine.alloc.ref_count[x] == 2 for x in shared)
     hits = engine.prefix.prefix_hit_tokens
-    engine.scheduler._preempt(b)
+    engine.scheduler.preempt(b)
     assert not b.blocks and a.blocks == a_table
     assert all(engine.alloc.ref_count[x] == 1 for x in shared)  # A still holds them: not freed, not cached
     assert not set(shared) & (set(engine.alloc.free_blocks) | set(engine.alloc.cached_free))

@@ -55,7 +55,7 @@ def lesson_keys(tokens: list[int], block_size: int) -> list[bytes]:
 
 
 def pending(req) -> list[bytes]:
-    """Keys of the prompt blocks `req` will compute but has not keyed yet (l8_prefix.engine.pending_keys)."""
+    """Keys of the prompt blocks `req` will compute but has not keyed yet (PrefixKvManager.pending_keys)."""
     return req.prompt_keys[len(req.block_keys):]
 
 
@@ -209,7 +209,7 @@ def watch_holds(engine) -> None:
 
     def schedule(now):
         before = snapshot(scheduler)  # judged: one request for what the checks read
-        bs = before.alloc.block_size
+        bs = before.kv.block_size
         keys = {r.request_id: lesson_keys(r.tokens[:-1], bs) for r in before.waiting}
         in_flight = {k for r in before.running for k in pending(r)}
         plan = real(now)

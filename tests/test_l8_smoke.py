@@ -96,7 +96,7 @@ def test_bad_input_gives_one_line_and_exit_2(case, tiny_model_dir, capsys):
 def test_keys_without_the_chain_make_a_mismatch_and_exit_1(tiny_model_dir, capsys, monkeypatch):
     """Hash each block alone (no parent): block Y of 'X Y Z' then matches a prompt starting with Y."""
     import l8_prefix.block_hash as bh
-    import l8_prefix.engine as eng
+    import l8_prefix.kv_manager as eng
 
     real = bh.block_key
     monkeypatch.setattr(bh, "block_key", lambda parent, tokens: real(None, tokens))

@@ -323,7 +323,7 @@ def test_l14_worked_example(embedded_model_dir):
 
     model = load_engine_model(embedded_model_dir)
     prefill, decode = make_offload_engine(model, 8, 4), make_offload_engine(model, 8, 4)
-    prefill.connector = prefill.scheduler.connector = Holding()
+    prefill.connector = Holding()
     decode.alloc.alloc_blocks(2)  # blocks 0 and 1 in use by other requests
     a = list(range(100, 110))
     prefill.run([WorkItem(a, 1), WorkItem(a[:8] + [200, 201, 202], 1, arrival_step=1)])

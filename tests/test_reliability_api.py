@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-import l8_prefix.engine
+import l8_prefix.sampling
 from helpers import random_prompt
 from l1_contiguous import InputError
 from l2_paged import BlockAllocator, KvPool, PagedRunner, kv_positions_needed, load_paged_model
@@ -182,14 +182,14 @@ def test_run_says_at_once_when_the_next_arrival_is_past_max_steps(model):
 # ---------------------------------------------------------------- one request's failure is its own
 
 def test_a_request_whose_sampling_fails_ends_alone(model, tiny_model_dir, monkeypatch):
-    real = l8_prefix.engine.draw
+    real = l8_prefix.sampling.draw
 
     def draw(req, row):  # e.g. NaN logits for this request only: multinomial refuses them
         if req.temperature > 0:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return real(req, row)
 
-    monkeypatch.setattr(l8_prefix.engine, "draw", draw)
+    monkeypatch.setattr(l8_prefix.sampling, "draw", draw)
     engine = make_prefix_engine(model, 64, 4)
     engine.add_request(GOOD)
     engine.add_request(SampledWorkItem([7, 8, 9, 10], 5, temperature=0.7, n=2))
@@ -203,14 +203,14 @@ def test_a_request_whose_sampling_fails_ends_alone(model, tiny_model_dir, monkey
 
 
 def test_a_fork_that_fails_ends_alone_and_its_siblings_go_on(model, tiny_model_dir, monkeypatch):
-    real = PrefixEngine._as_sample
+    real = PrefixEngine.as_sample
 
     def as_sample(self, req, first, k):
         if k == 2:
             raise RuntimeError("Overflow when unpacking long")  # what manual_seed says past 2**64 - 1
         return real(self, req, first, k)
 
-    monkeypatch.setattr(PrefixEngine, "_as_sample", as_sample)
+    monkeypatch.setattr(PrefixEngine, "as_sample", as_sample)
     engine = make_prefix_engine(model, 64, 4)
     engine.add_request(SampledWorkItem(list(GOOD.prompt_ids), GOOD.max_new_tokens, n=3))
     engine.run(max_steps=100)
@@ -229,14 +229,14 @@ def test_add_request_of_n_samples_interrupted_queues_none(model, tiny_model_dir,
     """Sharing off: n requests are made; a Ctrl-C while making the third leaves none queued."""
     engine = make_prefix_engine(model, 64, 4, prefix_sharing=False)
     engine.add_request(GOOD)
-    real = PrefixEngine._as_sample
+    real = PrefixEngine.as_sample
 
     def as_sample(self, req, first, k):
         if k == 2:
             raise KeyboardInterrupt
         return real(self, req, first, k)
 
-    monkeypatch.setattr(PrefixEngine, "_as_sample", as_sample)
+    monkeypatch.setattr(PrefixEngine, "as_sample", as_sample)
     before = engine_state(engine)
     with pytest.raises(KeyboardInterrupt):
         engine.add_request(SampledWorkItem([4, 5, 6], 3, n=3))

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import l5_eviction.preempt
-import l8_prefix.engine
+import l8_prefix.sampling
 from l5_eviction import State, load_engine_model, make_engine
 from l8_prefix import SampledWorkItem
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, quarter_pool
@@ -124,12 +124,12 @@ L5_POINTS = {
     "forward, last layer": (("recompute", "swap"), lambda e, mp, at: _layer(e, mp, at, -1)),
     "after the forward": (("recompute", "swap"),
                           lambda e, mp, at: _arm(mp, e.runner, "forward_logits", Trigger(e, at), after=True)),
-    "sampling": (("recompute", "swap"), lambda e, mp, at: _arm(mp, e, "_sample", Trigger(e, at))),
+    "sampling": (("recompute", "swap"), lambda e, mp, at: _arm(mp, e, "sample", Trigger(e, at))),
     "commit, one request done": (("recompute",),
-                                 lambda e, mp, at: _arm(mp, e, "_maybe_finish", Trigger(e, at), after=True)),
+                                 lambda e, mp, at: _arm(mp, e, "maybe_finish", Trigger(e, at), after=True)),
     "commit, a request finished": (("recompute",), lambda e, mp, at: _arm(
-        mp, e.preemptor, "discard", Trigger(e, 0, caller="_maybe_finish"), after=True)),
-    "timeline record": (("recompute",), lambda e, mp, at: _arm(mp, e, "_record", Trigger(e, at))),
+        mp, e.preemptor, "discard", Trigger(e, 0, caller="maybe_finish"), after=True)),
+    "timeline record": (("recompute",), lambda e, mp, at: _arm(mp, e, "record", Trigger(e, at))),
     "admission, blocks reserved": (("recompute",), lambda e, mp, at: _arm(
         mp, e.scheduler, "_try_admit", Trigger(e, at), after=True)),
     "preemption for recompute, before the free": (("recompute",), lambda e, mp, at: _arm(
@@ -181,15 +181,15 @@ L8_RUNS = {  # name: (workload, engine options)
 
 L8_POINTS = {  # name: (runs, arm)
     "forward": (("greedy", "sampled"), lambda e, mp: _layer(e, mp, 3, 0)),
-    "sampling": (("greedy", "sampled"), lambda e, mp: _arm(mp, l8_prefix.engine, "draw", Trigger(e, 0, nth=3))),
-    "after a draw": (("sampled",), lambda e, mp: _arm(mp, l8_prefix.engine, "draw", Trigger(e, 0, nth=2),
+    "sampling": (("greedy", "sampled"), lambda e, mp: _arm(mp, l8_prefix.sampling, "draw", Trigger(e, 0, nth=3))),
+    "after a draw": (("sampled",), lambda e, mp: _arm(mp, l8_prefix.sampling, "draw", Trigger(e, 0, nth=2),
                                                       after=True)),
     "commit, registering full blocks": (("greedy",), lambda e, mp: _arm(mp, e.alloc, "register",
                                                                         Trigger(e, 0, nth=2), after=True)),
     "commit, forking samples": (("greedy", "sampled"), lambda e, mp: _arm(
-        mp, e.alloc, "acquire", Trigger(e, 0, caller="_fork", nth=2), after=True)),
+        mp, e.alloc, "acquire", Trigger(e, 0, caller="fork", nth=2), after=True)),
     "admission, cached prefix attached": (("greedy",), lambda e, mp: _arm(
-        mp, e.scheduler, "_attach_cached_prefix", Trigger(e, 1), after=True)),
+        mp, e.kv, "attach_computed_prefix", Trigger(e, 1), after=True)),
     "copy-on-write, block allocated, not copied": (("greedy", "sampled"), lambda e, mp: _arm(
         mp, e.alloc, "alloc_blocks", Trigger(e, 0, caller="copy_on_write"), after=True)),
     "copy-on-write, copied, table unchanged": (("greedy",), lambda e, mp: _arm(
