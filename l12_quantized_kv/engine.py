@@ -18,7 +18,7 @@ from l1_contiguous import InputError
 from l2_paged import blocks_needed
 from l2_paged.allocator import check_pool_shape
 from l5_eviction import WorkItem, load_engine_model
-from l5_eviction.engine import available_host_memory
+from l5_eviction.workload import available_host_memory
 from l8_prefix import PrefixEngine, tagged_key
 from l8_prefix.prefix_allocator import PrefixBlockAllocator
 

@@ -2,8 +2,8 @@
 
 from .attention import GroupedAttention, load_hybrid_model
 from .engine import HybridEngine, HybridPreemptor, make_hybrid_engine
-from .groups import (NULL_BLOCK, KvCacheGroup, blocks_at_peak, first_needed_position, kv_cache_groups,
-                     window_block_bound)
+from .groups import (NULL_BLOCK, KvCacheGroup, blocks_at_peak, first_needed_position, group_size, kv_cache_groups,
+                     layer_slots, window_block_bound)
 from .kv_manager import HybridKvManager
 from .meta import GroupedStepMeta, build_grouped_meta, build_window_meta
 from .pool import GroupedKvPool
@@ -14,7 +14,8 @@ from .tables import (HybridRequest, blocks_to_grow, free_behind_window, grow_tab
 
 __all__ = [
     "GroupedAttention", "load_hybrid_model", "HybridEngine", "HybridPreemptor", "HybridKvManager",
-    "make_hybrid_engine", "NULL_BLOCK", "KvCacheGroup", "blocks_at_peak", "first_needed_position", "kv_cache_groups",
+    "make_hybrid_engine", "NULL_BLOCK", "KvCacheGroup", "blocks_at_peak", "first_needed_position", "group_size",
+    "kv_cache_groups", "layer_slots",
     "window_block_bound", "GroupedStepMeta", "build_grouped_meta", "build_window_meta", "GroupedKvPool",
     "attach_cached_prefix", "copy_on_write_tables", "group_key", "hybrid_hit_blocks", "without_windows",
     "HybridRequest", "blocks_to_grow", "free_behind_window", "grow_tables", "release_tables", "set_tables",

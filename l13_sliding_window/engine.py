@@ -22,7 +22,7 @@ from l5_eviction.preempt import to_host
 from l8_prefix import PrefixEngine
 
 from .attention import GroupedAttention
-from .groups import NULL_BLOCK, window_block_bound
+from .groups import NULL_BLOCK, layer_slots, window_block_bound
 from .kv_manager import HybridKvManager
 from .pool import GroupedKvPool
 from .tables import HybridRequest, set_tables, trim_tables
@@ -108,7 +108,9 @@ def hybrid_summary(engine) -> dict:
     """The groups' figures of an engine on a grouped pool (any engine with a HybridKvManager)."""
     bs, groups, pool = engine.alloc.block_size, engine.pool.groups, engine.pool
     windows = sorted({g.window for g in groups if g.is_sliding})
-    return {"kv_cache_groups": len(groups), "layers_per_group": len(groups[0].layers), "sliding_windows": windows,
+    slots = layer_slots(groups)
+    return {"kv_cache_groups": len(groups), "layers_per_group": slots, "sliding_windows": windows,
+            "padding_layer_slots": sum(slots - len(g.layers) for g in groups),
             "bytes_per_block": pool.bytes_per_block(engine.model.config, bs, engine.model.dtype),
             "decode_window_blocks_peak": engine.kv.decode_window_peak,
             "decode_window_block_bound": max((window_block_bound(w, bs) for w in windows), default=0)}

@@ -24,7 +24,6 @@ finds its block the same way in every group; the freed entries are NULL_BLOCK an
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from l1_contiguous import Qwen3Config
@@ -44,14 +43,31 @@ class KvCacheGroup:
 
 
 def kv_cache_groups(cfg: Qwen3Config) -> list[KvCacheGroup]:
-    """The model's layers as groups of equal size, each of one kind; full-attention groups first."""
+    """The model's layers as groups of one kind each, full-attention groups first; none has more
+    than `group_size(...)` layers, and a block holds that many layers' K/V whichever group owns it."""
     kinds: dict[int | None, list[int]] = {}
     for layer in range(cfg.num_hidden_layers):
         kinds.setdefault(cfg.window_of(layer), []).append(layer)
-    size = math.gcd(*(len(layers) for layers in kinds.values()))
-    ordered = sorted(kinds.items(), key=lambda kind: kind[0] is not None)  # stable: full kind first
-    return [KvCacheGroup(tuple(layers[i:i + size]), window)
-            for window, layers in ordered for i in range(0, len(layers), size)]
+    size = group_size([len(layers) for layers in kinds.values()])
+    groups = []
+    for window, layers in sorted(kinds.items(), key=lambda kind: kind[0] is not None):  # stable: full first
+        count = -(-len(layers) // size)
+        groups += [KvCacheGroup(tuple(layers[i::count]), window) for i in range(count)]  # strided, as vLLM
+    return groups
+
+
+def group_size(layers_per_kind: list[int]) -> int:
+    """Layers per group: the smallest kind's count, so the group count stays small (a Gemma-3-like
+    52 sliding + 10 full make 7 groups, not gcd's 31), or the largest kind's when it is under 1.5
+    times the smallest (one group per kind). A kind whose count is not a multiple of it gets short
+    groups: their missing layers are padding, slots a block has and nobody writes."""
+    smallest, largest = min(layers_per_kind), max(layers_per_kind)
+    return largest if largest < 1.5 * smallest else smallest
+
+
+def layer_slots(groups: list[KvCacheGroup]) -> int:
+    """Layers' K/V one block holds: the largest group's layer count (a shorter group pads)."""
+    return max(len(g.layers) for g in groups)
 
 
 def first_needed_position(window: int | None, position: int) -> int:

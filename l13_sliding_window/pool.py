@@ -7,6 +7,8 @@
     block 5        layer 0 layer 2      owned by the sliding group of request A
     block 6        layer 1 layer 3      owned by the full group of request A
 
+A group shorter than the others (its kind's count is not a multiple of the group size) leaves
+its last tensors' slots unused in the blocks it owns: padding (groups.group_size).
 `K[layer]` and `k_blocks[layer]` are still indexed by model layer, as every earlier lesson's
 attention indexes them; the layers at the same place in their groups are handed the same tensor.
 Two groups never own one block, so their writes never meet.
@@ -20,13 +22,13 @@ import torch
 
 from l3_block_kernel import BlockKvPool
 
-from .groups import KvCacheGroup, kv_cache_groups
+from .groups import KvCacheGroup, kv_cache_groups, layer_slots
 
 
 class GroupedKvPool(BlockKvPool):
     def __init__(self, cfg, num_blocks, block_size, dtype, device="cpu"):
         self.groups: list[KvCacheGroup] = kv_cache_groups(cfg)
-        size = len(self.groups[0].layers)
+        size = layer_slots(self.groups)
         super().__init__(dataclasses.replace(cfg, num_hidden_layers=size), num_blocks, block_size, dtype, device)
         self.k_tensors, self.v_tensors = self.K, self.V  # [num_slots, H_kv, D] each: g of them
         self.k_block_tensors, self.v_block_tensors = self.k_blocks, self.v_blocks
@@ -45,5 +47,4 @@ class GroupedKvPool(BlockKvPool):
 
     @staticmethod
     def bytes_per_block(cfg, block_size: int, dtype: torch.dtype) -> int:
-        group_size = len(kv_cache_groups(cfg)[0].layers)
-        return 2 * group_size * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        return 2 * layer_slots(kv_cache_groups(cfg)) * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize

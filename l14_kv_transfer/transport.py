@@ -1,5 +1,6 @@
 """The wire between the prefill rank and the decode rank: provided, not graded. pd.py decides what
-K/V moves and where it lands; this module moves bytes and never touches a pool.
+K/V moves and where it lands; this module (with messages.py, what each message holds) moves bytes
+and never touches a pool.
 
 Per request, over torch.distributed point-to-point (gloo; every message is matched by tag):
 
@@ -34,24 +35,10 @@ import torch.distributed as dist
 
 from l1_contiguous import InputError
 
-from .tiers import KEY_BYTES
+from .messages import NOT_NOW, PAYLOAD_BASE, REFUSED, REPLY, PeerLostError, recv_header, send_end
 
-PREFILL_RANK, DECODE_RANK = 0, 1
-HEADER, REPLY, PAYLOAD_BASE = 0, 1, 100  # tags; a payload's tag is PAYLOAD_BASE + the request's index
-KIND_END, KIND_REQUEST = 0, 1
-HEADER_LEN = 8
-REFUSED = -1  # the decode side's reply when the request can never fit its pool
-NOT_NOW = -2  # its reply when the request does not fit now: ask again later (backpressure, not an error)
 NOT_NOW_WAIT_S, MAX_NOT_NOW_WAIT_S = 0.01, 0.2  # the sender's backoff while the decode rank is full
 START_TIMEOUT_S = 120.0  # for the ranks to meet: loading a model may take a while on either side
-
-
-class PeerLostError(RuntimeError):
-    """The other rank closed the connection or did not answer in time."""
-
-
-class TransferError(RuntimeError):
-    """What arrived for a request is not what its header announced."""
 
 
 def short_reason(exc: BaseException) -> str:
@@ -59,17 +46,6 @@ def short_reason(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     text = text.split(". This is typically")[0]
     return f"{type(exc).__name__}: {text.split('] ', 1)[-1] if text.startswith('[') else text}"
-
-
-@dataclass
-class Header:
-    index: int
-    prompt_ids: list[int]
-    first_token: int
-    num_blocks: int  # blocks holding the prompt's K/V, the partial last one included
-    keys: list[bytes]  # keys of its full blocks
-    finished: bool  # the first token ended it (eos, or max_new_tokens 1): no K/V to send
-    max_new_tokens: int
 
 
 @dataclass
@@ -145,47 +121,6 @@ def agree_on_config(config: dict) -> None:
         if configs[0].get(key) != configs[1].get(key):
             raise InputError(f"the two ranks were started differently: {key} is {configs[0].get(key)} on rank 0 "
                              f"and {configs[1].get(key)} on rank 1; start both with the same options")
-
-
-def send_header(h: Header, peer: int) -> None:
-    dist.send(torch.tensor([KIND_REQUEST, h.index, len(h.prompt_ids), h.first_token, h.num_blocks, len(h.keys),
-                            int(h.finished), h.max_new_tokens], dtype=torch.int64), peer, tag=HEADER)
-    dist.send(torch.tensor(h.prompt_ids, dtype=torch.int64), peer, tag=HEADER)
-    if h.keys:
-        dist.send(torch.frombuffer(bytearray(b"".join(h.keys)), dtype=torch.uint8), peer, tag=HEADER)
-
-
-def send_end(peer: int) -> None:
-    dist.send(torch.zeros(HEADER_LEN, dtype=torch.int64), peer, tag=HEADER)
-
-
-def recv_header(peer: int) -> Header | None:
-    """The next header, or None at the end of the stream."""
-    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    dist.recv(head, peer, tag=HEADER)
-    kind, index, prompt_len, first, num_blocks, num_keys, finished, max_new = head.tolist()
-    if kind == KIND_END:
-        return None
-    ids = torch.zeros(prompt_len, dtype=torch.int64)
-    dist.recv(ids, peer, tag=HEADER)
-    keys = []
-    if num_keys:
-        raw = torch.zeros(num_keys * KEY_BYTES, dtype=torch.uint8)
-        dist.recv(raw, peer, tag=HEADER)
-        data = raw.numpy().tobytes()
-        keys = [data[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(num_keys)]
-    return Header(index, ids.tolist(), first, num_blocks, keys, bool(finished), max_new)
-
-
-def ask(header: Header, peer: int) -> int:
-    """Send `header` and wait for the decode side's reply: blocks it holds, REFUSED or NOT_NOW.
-    A finished header gets no reply (nothing will follow it): 0."""
-    send_header(header, peer)
-    if header.finished:
-        return 0
-    reply = torch.zeros(1, dtype=torch.int64)
-    dist.recv(reply, peer, tag=REPLY)
-    return int(reply)
 
 
 # ---------------------------------------------------------------- rank 0's side

@@ -1,6 +1,7 @@
 """L5: a scheduler with continuous batching that preempts (recompute or swap) when the pool is full."""
 
-from .engine import DEFAULT_PREFILL_CHUNK, Engine, EngineStalledError, generated_ids, make_engine
+from .build import make_engine
+from .engine import DEFAULT_PREFILL_CHUNK, Engine, EngineStalledError
 from .kv_manager import KvManager
 from .lifecycle import EngineRequest, State, SwappedKv
 from .mixed import (MixedBatchAttention, MixedBatchMeta, StepRunner, build_step_meta, check_engine_model,
@@ -8,7 +9,7 @@ from .mixed import (MixedBatchAttention, MixedBatchMeta, StepRunner, build_step_
 from .policies import POLICIES, ScorePolicy, lru_key, make_policy, priority_key
 from .preempt import MODES, PreemptCounters, Preemptor, trim
 from .scheduler import RequestTooLargeError, Scheduler
-from .workload import StepRecord, WorkItem
+from .workload import StepRecord, WorkItem, generated_ids
 
 __all__ = [
     "EngineStalledError",

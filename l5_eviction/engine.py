@@ -19,7 +19,6 @@ from dataclasses import asdict
 from l1_contiguous import InputError
 from l1_contiguous.errors import short_repr
 from l2_paged import BlockAllocator, blocks_needed
-from l2_paged.allocator import check_pool_shape
 from l3_block_kernel import BlockKvPool
 
 from .kv_manager import KvManager
@@ -28,15 +27,10 @@ from .mixed import StepRunner
 from .policies import make_policy
 from .preempt import Preemptor
 from .rollback import PendingRollback, restore, snapshot
-from .scheduler import Scheduler
-from .workload import StepRecord, WorkItem, available_host_memory, check_work_item, is_int
+from .scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
+from .workload import StepRecord, WorkItem, check_work_item, is_int
 
 
-# Prompt tokens one step may compute (all prefills together; decodes are not charged). Without a
-# cap, 32 requests of 288 tokens arriving together are one 9,216-token forward: every decode waits
-# for it, and its attention mask is 9,216 x 9,216. 256 bounds a step's prefill rows (and its mask)
-# whatever arrives, and is a multiple of every block size the course uses.
-DEFAULT_PREFILL_CHUNK = 256
 # Steps in a row that compute no token while requests wait to run: the engine is stuck (a leaked
 # block, a scheduler that never admits), and `run` says so instead of spinning to max_steps.
 STALL_STEPS = 100
@@ -93,12 +87,11 @@ class Engine:
             return self.enqueue(item)
 
     def adopt_running(self, item: WorkItem, blocks: list[int], first_token: int) -> EngineRequest:
-        """A request whose prompt's K/V was computed elsewhere (another engine: L14's prefill rank)
-        and now sits in `blocks` (this pool's ids, in order, one reference each held for it). It
-        joins the running requests with nothing to prefill, as if a step had computed its prompt
-        and sampled `first_token`: it may finish at once. InputError (nothing changed) for an item
-        `add_request` would refuse (one too large for the pool included), a block count that does
-        not fit the prompt, or a token id outside the vocabulary."""
+        """A request whose prompt's K/V another engine computed (L14's prefill rank) into `blocks`
+        (this pool's ids, in order, one reference each held for it) joins the running requests as
+        if a step had computed its prompt and sampled `first_token` (it may finish at once).
+        InputError, nothing changed, for an item `add_request` would refuse, a block count that
+        does not fit the prompt, or a token outside the vocabulary."""
         self._finish_rollback()
         self.check_item(item)
         n, bs = len(item.prompt_ids), self.alloc.block_size
@@ -109,7 +102,7 @@ class Engine:
         req = self.new_request(item)
         self.scheduler.check(req)  # one that could never run here (its decode outgrows the pool) is refused now
         with self._all_or_nothing():
-            req.blocks, req.slot_indices = list(blocks), [b * bs + i for b in blocks for i in range(bs)]
+            self.kv.adopt_blocks(req, blocks)
             req.cur_len, req.state = n, State.RUNNING
             self.requests[req.request_id] = req
             self.scheduler.running.append(req)
@@ -195,8 +188,7 @@ class Engine:
     @contextmanager
     def _all_or_nothing(self, objects: list | None = None):
         """Run the block; on any exception put `objects` (default: `stateful()`) back as they were.
-        The rollback is noted first, so that if a second interrupt cuts it short the next call
-        finishes it (`_finish_rollback`) before doing anything else."""
+        The rollback is noted first: if a second interrupt cuts it short, the next call finishes it."""
         saved = snapshot(self.stateful() if objects is None else objects)
         try:
             yield
@@ -304,29 +296,3 @@ class Engine:
                 "blocks_total": self.alloc.num_blocks, "blocks_peak_used": self.alloc.peak_used,
                 "blocks_free_at_end": self.alloc.num_free, "steps": self.now,
                 "swapped_copies_left": sum(r.swapped is not None for r in self.requests.values())}
-
-
-def generated_ids(requests: dict[int, EngineRequest]) -> dict[int, list[int]]:
-    return {i: r.output_ids for i, r in requests.items()}
-
-
-def make_engine(model, num_blocks: int, block_size: int = 16, engine_cls: type[Engine] = Engine,
-                **kwargs) -> Engine:
-    """Pool (`engine_cls.pool_cls`), allocator (`engine_cls.allocator_cls`) and engine in one call;
-    InputError for a pool that cannot exist (a size that is not a positive int, or more bytes than
-    the device has)."""
-    check_pool_shape(num_blocks, block_size)
-    need = num_blocks * engine_cls.pool_cls.bytes_per_block(model.config, block_size, model.dtype)
-    free = available_host_memory()
-    if model.device.type == "cpu" and free is not None and need > free:
-        # torch.empty would succeed (pages are only reserved), and the run would die or swap later
-        raise InputError(f"a pool of {num_blocks:,} blocks of {block_size} tokens needs {need / 2**30:,.1f} GiB, "
-                         f"more than the {free / 2**30:,.1f} GiB of memory available; ask for fewer blocks "
-                         f"(or fewer requests and samples)")
-    try:
-        pool = engine_cls.pool_cls(model.config, num_blocks, block_size, model.dtype, model.device)
-    except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
-        raise InputError(f"cannot allocate a pool of {num_blocks:,} blocks of {block_size} tokens on "
-                         f"{model.device}; ask for fewer blocks") from None
-    return engine_cls(model, pool, engine_cls.allocator_cls(num_blocks, block_size), **kwargs)
-

@@ -23,6 +23,8 @@ The contract every manager keeps (the lesson text gives the reasons):
                              set its cur_len past them; L5: none, 0
   release_computed_prefix(req)
                              undo `attach_computed_prefix` for a request that was not admitted
+  adopt_blocks(req, blocks)  `req`'s K/V is in `blocks` already, one reference each held for it
+                             (another engine computed it: L14's decode rank)
   admitted(req)              `req` was admitted with its blocks (L8 counts its hits here)
   new_schedule()             a step's plan begins (L8 forgets the keys it saw in flight)
   step_metadata(reqs, ns, device, backend) -> (input_ids [T], meta)
@@ -84,6 +86,10 @@ class KvManager:
 
     def release_computed_prefix(self, req: EngineRequest) -> None:
         pass
+
+    def adopt_blocks(self, req: EngineRequest, blocks: list[int]) -> None:
+        bs = self.block_size
+        req.blocks, req.slot_indices = list(blocks), [b * bs + i for b in blocks for i in range(bs)]
 
     def admitted(self, req: EngineRequest) -> None:
         pass

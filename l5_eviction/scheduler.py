@@ -19,9 +19,16 @@ from __future__ import annotations
 from collections import deque
 
 from l1_contiguous import InputError
+
 from .kv_manager import KvManager
 from .lifecycle import EngineRequest, State
 from .preempt import Preemptor
+
+# Prompt tokens one step may compute (all prefills together; decodes are not charged). Without a
+# cap, 32 requests of 288 tokens arriving together are one 9,216-token forward: every decode waits
+# for it, and its attention mask is 9,216 x 9,216. 256 bounds a step's prefill rows (and its mask)
+# whatever arrives, and is a multiple of every block size the course uses.
+DEFAULT_PREFILL_CHUNK = 256
 
 
 class RequestTooLargeError(InputError):

@@ -79,3 +79,7 @@ def available_host_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def generated_ids(requests: dict) -> dict[int, list[int]]:
+    return {i: r.output_ids for i, r in requests.items()}

@@ -52,7 +52,8 @@ from harness.tiny_models import EMBEDDED_HYBRID_LAYER_TYPES, EMBEDDED_HYBRID_WIN
 from l1_contiguous import Qwen3Config, load_config  # noqa: E402
 from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, load_engine_model  # noqa: E402
 from l8_prefix import make_prefix_engine  # noqa: E402
-from l13_sliding_window import GroupedKvPool, blocks_at_peak, kv_cache_groups, load_hybrid_model, make_hybrid_engine  # noqa: E402
+from l13_sliding_window import (GroupedKvPool, blocks_at_peak, kv_cache_groups, layer_slots, load_hybrid_model,  # noqa: E402
+                                make_hybrid_engine)
 
 QWEN3_0_6B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
@@ -98,7 +99,7 @@ def arithmetic_rows(block_size: int) -> list[dict]:
             need = blocks_at_peak(groups, context, block_size, DEFAULT_PREFILL_CHUNK) * per_block
             full.setdefault(context, need)
             rows.append({"model": f"Qwen3-0.6B shape, {name}", "sliding layers": len(sliding),
-                         "groups x layers": f"{len(groups)} x {len(groups[0].layers)}", "context": context,
+                         "groups x layers": f"{len(groups)} x {layer_slots(groups)}", "context": context,
                          "KV per request MiB": need / 2**20, "of full attention": f"{100 * need / full[context]:.0f}%",
                          "requests in 8 GiB": BUDGET // need})
     return rows

@@ -56,7 +56,8 @@ from harness.tiny_models import make_random_model  # noqa: E402
 from l1_contiguous import load_config  # noqa: E402
 from l2_paged import bytes_per_block  # noqa: E402
 from l5_eviction import WorkItem, load_engine_model  # noqa: E402
-from l14_kv_transfer import FileTier, TieredStore, make_offload_engine, make_store, pd, transport  # noqa: E402
+from l14_kv_transfer import (FileTier, TieredStore, decode_rank, make_offload_engine, make_store, messages, pd,  # noqa: E402
+                             transport)
 
 BS = 16
 WIDE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
@@ -214,14 +215,14 @@ def pd_rank(model_dir: Path, out: str) -> int:
     items = pd_workload(model.config.vocab_size)
     num_blocks = sum(-(-(len(w.prompt_ids) + w.max_new_tokens) // BS) for w in items)
     engine = make_offload_engine(model, num_blocks, BS)
-    if rank == transport.PREFILL_RANK:
+    if rank == messages.PREFILL_RANK:
         connector = pd.PdSendConnector(engine.pool, BS, {i: w.max_new_tokens for i, w in enumerate(items)})
         engine.connector = connector
         transport.init_group(60)
         figures = pd.run_prefill_rank(engine, items)
     else:
         transport.init_group(60)
-        decode = pd.DecodeRank(engine, len(items), 60)
+        decode = decode_rank.DecodeRank(engine, len(items), 60)
         start = time.perf_counter()
         outcomes = decode.run()
         figures = {"seconds": time.perf_counter() - start, "steps": decode.steps, **decode.figures(),

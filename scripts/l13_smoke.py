@@ -155,7 +155,7 @@ def run(args, setup) -> LessonRun:
                              label=f"turn {1 + (r.request_id >= len(items))}, arrives at step {r.arrival_step}")
                for r in engine.requests.values()]
     summary = engine.summary()
-    keep = ("kv_cache_groups", "layers_per_group", "sliding_windows", "bytes_per_block", "blocks_total",
+    keep = ("kv_cache_groups", "layers_per_group", "padding_layer_slots", "sliding_windows", "bytes_per_block", "blocks_total",
             "blocks_peak_used", "blocks_free_at_end", "decode_window_blocks_peak", "decode_window_block_bound",
             "preempted_recompute", "preempted_swap", "tokens_recomputed", "steps", "prefill_tokens_total",
             "prefix_hit_tokens", "hit_rate", "cow_copies")

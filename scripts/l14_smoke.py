@@ -30,7 +30,7 @@ with starting():  # a Ctrl-C during these imports (a second or more) ends in one
     from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
     from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, engine_backend, load_engine_model  # noqa: E402
     from l14_kv_transfer import MODES, kv_identity, make_offload_engine, make_store  # noqa: E402
-    from l14_kv_transfer import pd, transport  # noqa: E402
+    from l14_kv_transfer import decode_rank, pd, transport  # noqa: E402
 
 
 LESSON = "L14"
@@ -212,7 +212,7 @@ def run_decode_rank(args, setup) -> LessonRun:
     engine = pd_engine(args, setup, items)
     data = transport.init_group(args.transfer_timeout, args.dist_backend)
     transport.agree_on_config(pd_config(args, engine, items))
-    rank = pd.DecodeRank(engine, len(items), args.transfer_timeout, data=data)
+    rank = decode_rank.DecodeRank(engine, len(items), args.transfer_timeout, data=data)
     outcomes = rank.run()
     engine.alloc.check()
     results = []

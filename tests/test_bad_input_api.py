@@ -246,7 +246,7 @@ def test_l2_generate_refuses_a_request_listed_twice(tiny_model_dir):
 
 def test_a_pool_larger_than_the_machines_memory_is_refused_before_allocating(model):
     """torch.empty would hand out address space and the run would die later (l8_smoke --n 1000000)."""
-    from l5_eviction.engine import available_host_memory
+    from l5_eviction.workload import available_host_memory
 
     free = available_host_memory()
     if free is None:

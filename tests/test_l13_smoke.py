@@ -58,6 +58,17 @@ def test_a_random_hybrid_folder_runs_as_it_is(capsys, make_model):
     assert report["sliding_layers"] == [0, 1, 3, 4] and report["kv_cache_groups"] == 3
 
 
+def test_a_layout_whose_groups_are_short_pads_them_and_still_passes(capsys, make_model):
+    """3 sliding + 2 full layers: groups of 2 (the smaller kind), so the sliding kind is two groups
+    of 2 and 1 layer, and a block has one layer slot that group never writes."""
+    model_dir = make_model(seed=6, num_hidden_layers=5, use_sliding_window=True, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"])
+    status, report, _ = run_script_json("l13_smoke", ["--model", str(model_dir), "--prompt-ids", ",".join(map(str, range(3, 40))),
+                                                      "--max-new-tokens", "16", "--block-size", "4"], capsys)
+    assert status == 0 and report["match"] is True
+    assert report["kv_cache_groups"] == 3 and report["layers_per_group"] == 2 and report["padding_layer_slots"] == 1
+
+
 def test_the_teacher_forced_rerun_sends_the_first_runs_second_turns():
     """In bf16 a first turn can leave HF's path at a near-tie; the rerun then forces HF's ids there,
     and a second turn built from them would be a prompt the comparison never asked about (on an

@@ -16,8 +16,8 @@ from l1_contiguous import Qwen3Config, window_mask
 from l2_paged import BlockAllocator, blocks_needed
 from l8_prefix import PrefixBlockAllocator, chain_keys
 from l13_sliding_window import (NULL_BLOCK, HybridRequest, KvCacheGroup, attach_cached_prefix, blocks_at_peak,
-                                free_behind_window, group_key, grow_tables, hybrid_hit_blocks, kv_cache_groups,
-                                release_tables, window_block_bound)
+                                free_behind_window, group_key, group_size, grow_tables, hybrid_hit_blocks, kv_cache_groups,
+                                layer_slots, release_tables, window_block_bound)
 from probes_l13 import TaggedAllocator, grow_watched
 
 pytestmark = pytest.mark.l13
@@ -189,11 +189,15 @@ def config(num_layers: int, sliding: tuple[int, ...], window: int | None = 8) ->
 
 @pytest.mark.parametrize("num_layers, sliding, sizes", [
     (4, (0, 2), [2, 2]), (6, (0, 1, 2, 3, 4), [1] * 6), (12, tuple(i for i in range(12) if i % 6 != 5), [2] * 6),
-    (4, (), [4]), (3, (0, 1, 2), [3])])
-def test_groups_have_one_kind_equal_sizes_and_cover_every_layer_once(num_layers, sliding, sizes):
+    (4, (), [4]), (3, (0, 1, 2), [3]),
+    (62, tuple(i for i in range(62) if i % 6 != 5), [10] + [9, 9, 9, 9, 8, 8]),  # Gemma-3-like: 52 + 10
+    (9, (0, 2, 4, 6, 8), [4, 5])])  # 5 under 1.5 x 4: one group per kind, the full one padded
+def test_groups_have_one_kind_bounded_sizes_and_cover_every_layer_once(num_layers, sliding, sizes):
     cfg = config(num_layers, sliding)
     groups = kv_cache_groups(cfg)
     assert [len(g.layers) for g in groups] == sizes
+    counts = [sum(cfg.window_of(i) is None for i in range(num_layers)), len(sliding)]
+    assert max(sizes) == group_size([c for c in counts if c]) == layer_slots(groups)
     assert sorted(layer for g in groups for layer in g.layers) == list(range(num_layers))
     for g in groups:
         assert {cfg.window_of(layer) for layer in g.layers} == {g.window}
