@@ -1,7 +1,7 @@
 """L13: hybrid models (sliding-window layers beside full ones), one block table per KV cache group."""
 
 from .attention import GroupedAttention, load_hybrid_model
-from .engine import HybridEngine, HybridPreemptor, make_hybrid_engine
+from .engine import HybridEngine, HybridParts, HybridPreemptor, make_hybrid_engine
 from .groups import (NULL_BLOCK, KvCacheGroup, blocks_at_peak, first_needed_position, group_size, kv_cache_groups,
                      layer_slots, window_block_bound)
 from .kv_manager import HybridKvManager
@@ -13,7 +13,7 @@ from .tables import (HybridRequest, blocks_to_grow, free_behind_window, grow_tab
                      trim_tables)
 
 __all__ = [
-    "GroupedAttention", "load_hybrid_model", "HybridEngine", "HybridPreemptor", "HybridKvManager",
+    "GroupedAttention", "load_hybrid_model", "HybridEngine", "HybridParts", "HybridPreemptor", "HybridKvManager",
     "make_hybrid_engine", "NULL_BLOCK", "KvCacheGroup", "blocks_at_peak", "first_needed_position", "group_size",
     "kv_cache_groups", "layer_slots",
     "window_block_bound", "GroupedStepMeta", "build_grouped_meta", "build_window_meta", "GroupedKvPool",

@@ -71,8 +71,11 @@ class HybridPreemptor(Preemptor):
         # END SOLUTION
 
 
-class HybridEngine(PrefixEngine):
-    request_cls = HybridRequest
+class HybridParts:
+    """What makes an engine run a hybrid model, mixed in before the engine class it adapts
+    (HybridEngine: L8's; speculative.py: L10's). It builds parts (the grouped pool's preemptor and
+    the KV manager, with the options below) and adds the groups' figures; it changes no step."""
+
     pool_cls = GroupedKvPool
     preemptor_cls = HybridPreemptor
 
@@ -90,6 +93,10 @@ class HybridEngine(PrefixEngine):
 
     def summary(self) -> dict:
         return {**super().summary(), **hybrid_summary(self)}
+
+
+class HybridEngine(HybridParts, PrefixEngine):
+    request_cls = HybridRequest
 
 
 def check_hybrid_parts(model, pool) -> None:

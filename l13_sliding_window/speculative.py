@@ -7,8 +7,9 @@ never for the verify's end, or a rejected proposal would have moved the window p
 next token still reads. The manager frees after the rewind (L10's commit settles, then L8's commit
 calls the manager's `after_forward`), so the window follows the accepted length.
 
-Composition is by parts, not by a diamond of engines: L10's engine with L13's request fields, KV
-manager, preemptor and pool, and `rewind_kv` (L10's hook) cutting every group's table.
+Composition is by parts, not by a diamond of engines: L10's engine with L13's parts (HybridParts:
+pool, preemptor, KV manager; the request's fields), and `rewind_kv` (L10's hook) cutting every
+group's table.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ from l2_paged import blocks_needed
 from l10_speculative import SpecEngine, SpecRequest
 from l5_eviction import make_engine
 
-from .engine import HybridPreemptor, check_hybrid_parts, hybrid_summary
+from .engine import HybridParts
 from .groups import NULL_BLOCK
-from .kv_manager import HybridKvManager
-from .pool import GroupedKvPool
 from .tables import HybridRequest, set_tables
 
 
@@ -46,24 +45,10 @@ def rewind_tables(req: HybridRequest, alloc, new_len: int) -> None:
     # END SOLUTION
 
 
-class HybridSpecEngine(SpecEngine):
+class HybridSpecEngine(HybridParts, SpecEngine):
     """L10's engine with L13's parts: request fields, pool, preemptor and KV manager."""
 
     request_cls = HybridSpecRequest
-    pool_cls = GroupedKvPool
-    preemptor_cls = HybridPreemptor
-
-    def __init__(self, model, pool, alloc, hybrid_hit_rule: bool = True, keep_behind_window: bool = False,
-                 **kwargs):
-        check_hybrid_parts(model, pool)  # the options mean what they mean for HybridEngine
-        self.hybrid_options = {"hybrid_hit_rule": hybrid_hit_rule, "keep_behind_window": keep_behind_window}
-        super().__init__(model, pool, alloc, **kwargs)
-
-    def make_kv_manager(self) -> HybridKvManager:
-        return HybridKvManager(self.alloc, self.pool, self.sharing, **self.hybrid_options)
-
-    def summary(self) -> dict:
-        return {**super().summary(), **hybrid_summary(self)}
 
     def rewind_kv(self, req: HybridSpecRequest, new_len: int) -> None:
         rewind_tables(req, self.alloc, new_len)
