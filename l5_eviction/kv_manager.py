@@ -4,7 +4,8 @@
     runner ─────allocate_step / step_metadata──────────────────────────────────┼─► KvManager ─► allocator, pool
     engine ─────stateful / failure_marks / repair_after_rollback───────────────┘
 
-Nothing else in the engine counts, takes or keys blocks. L5's manager gives each request its own
+Nothing else in the engine counts, takes or keys blocks but the preemptor, which only takes a
+victim's blocks away and gives them back (preempt.py). L5's manager gives each request its own
 blocks, one table in token order. A later lesson that changes how K/V is kept plugs in a subclass
 and leaves the scheduler and the engine as they are: L8 shares a cached prefix (keys, reference
 counts, copy-on-write), L13 keeps one table per group of layers and frees what falls behind a
