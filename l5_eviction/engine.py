@@ -256,7 +256,7 @@ class Engine:
             self.add_request(item)
         idle = 0
         while self.has_unfinished():
-            self._skip_idle_steps()
+            self.skip_idle_steps()
             if self.now >= max_steps:
                 raise RuntimeError(f"workload not finished after {max_steps} steps")
             record = self.step()
@@ -271,9 +271,10 @@ class Engine:
                 f"{len(s.waiting)} waiting, {len(s.swapped)} swapped; {a.num_free} of {a.num_blocks} blocks "
                 f"free (blocks that never come back to the pool: a leak? requests never admitted?)")
 
-    def _skip_idle_steps(self) -> None:
+    def skip_idle_steps(self) -> None:
         """With nothing queued and only later arrivals left, jump to the next arrival: an idle
-        engine waits, it does not spin through empty steps (none is recorded in the timeline)."""
+        engine waits, it does not spin through empty steps (none is recorded in the timeline).
+        `run` calls it before each step; so should a loop that calls `step` itself."""
         s = self.scheduler
         if self.future and not (s.waiting or s.running or s.swapped):
             self.now = max(self.now, min(r.arrival_step for r in self.future))

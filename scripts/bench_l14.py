@@ -98,7 +98,7 @@ def timed_run(engine, items: list[WorkItem]) -> dict[int, float]:
         engine.add_request(item)
     arrived, first = {}, {}
     while engine.has_unfinished():
-        engine._skip_idle_steps()
+        engine.skip_idle_steps()
         start = time.perf_counter()
         for rid, req in engine.requests.items():
             if rid not in arrived and req.arrival_step <= engine.now:
