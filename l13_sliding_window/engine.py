@@ -78,6 +78,7 @@ class HybridParts:
 
     pool_cls = GroupedKvPool
     preemptor_cls = HybridPreemptor
+    kv_manager_cls = HybridKvManager
 
     def __init__(self, model, pool, alloc, hybrid_hit_rule: bool = True, keep_behind_window: bool = False,
                  **kwargs):
@@ -89,7 +90,7 @@ class HybridParts:
         super().__init__(model, pool, alloc, **kwargs)
 
     def make_kv_manager(self) -> HybridKvManager:
-        return HybridKvManager(self.alloc, self.pool, self.sharing, **self.hybrid_options)
+        return self.kv_manager_cls(self.alloc, self.pool, self.sharing, **self.hybrid_options)
 
     def summary(self) -> dict:
         return {**super().summary(), **hybrid_summary(self)}

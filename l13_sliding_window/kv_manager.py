@@ -16,6 +16,7 @@ What each part of the manager's contract (L5's, with L8's additions) becomes wit
 
 from __future__ import annotations
 
+from l1_contiguous import InputError
 from l2_paged import kv_positions_needed
 from l8_prefix import PrefixKvManager, block_key, chain_keys
 
@@ -72,6 +73,10 @@ class HybridKvManager(PrefixKvManager):
     def prefix_in_flight(self, req: HybridRequest, in_flight: set[bytes]) -> bool:
         keys, hits = self._cached_blocks(req)
         return hits < len(keys) and keys[hits] in in_flight
+
+    def adopt_blocks(self, req: HybridRequest, blocks: list[int]) -> None:
+        raise InputError("a hybrid engine cannot adopt K/V computed elsewhere: it keeps one table per "
+                         "group of layers, and the blocks it would get are one list")
 
     # ------------------------------------------------------------------ after each forward
 

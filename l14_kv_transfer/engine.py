@@ -60,19 +60,21 @@ class OffloadKvManager(PrefixKvManager):
 
 class OffloadEngine(PrefixEngine):
     request_cls = OffloadRequest
+    kv_manager_cls = OffloadKvManager
 
     def __init__(self, model, pool, alloc, connector: KvConnector | None = None, **kwargs):
         connector = connector or KvConnector()
         if not kwargs.get("prefix_sharing", True) and type(connector) is not KvConnector:
             raise InputError("a connector finds blocks by their prefix keys: turn prefix sharing on")
-        self._initial_connector = connector  # make_kv_manager hands it to the manager
+        self._initial_connector = connector  # make_kv_manager hands it to the manager, then it goes
         self.delayed: dict[int, OffloadRequest] = {}  # finished, blocks kept for the connector
         self.recomputed_after_failed_loads = 0  # tokens computed because their blocks failed to load
         super().__init__(model, pool, alloc, **kwargs)
+        del self._initial_connector
         alloc.on_evict = lambda block, key: self.connector.on_device_evict(block, key, self.pool)
 
     def make_kv_manager(self) -> OffloadKvManager:
-        return OffloadKvManager(self.alloc, self.pool, self.sharing, self._initial_connector)
+        return self.kv_manager_cls(self.alloc, self.pool, self.sharing, self._initial_connector)
 
     @property
     def connector(self) -> KvConnector:

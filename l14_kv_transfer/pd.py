@@ -115,6 +115,7 @@ def run_prefill_rank(engine, items: list[WorkItem], idle_wait_s: float = 0.005) 
         engine.add_request(item)
     busy = busy_while_sending = 0.0
     while engine.has_unfinished() or connector.sender.busy:
+        engine.skip_idle_steps()
         sending, start = connector.sender.in_transfer, time.perf_counter()
         record = engine.step() if engine.has_unfinished() else None
         if record is not None and record.prefill_tokens + record.decode_tokens:

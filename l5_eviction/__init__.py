@@ -1,15 +1,15 @@
 """L5: a scheduler with continuous batching that preempts (recompute or swap) when the pool is full."""
 
 from .build import make_engine
-from .engine import DEFAULT_PREFILL_CHUNK, Engine, EngineStalledError
+from .engine import Engine
 from .kv_manager import KvManager
 from .lifecycle import EngineRequest, State, SwappedKv
 from .mixed import (MixedBatchAttention, MixedBatchMeta, StepRunner, build_step_meta, check_engine_model,
                     engine_backend, load_engine_model)
 from .policies import POLICIES, ScorePolicy, lru_key, make_policy, priority_key
 from .preempt import MODES, PreemptCounters, Preemptor, trim
-from .scheduler import RequestTooLargeError, Scheduler
-from .workload import StepRecord, WorkItem, generated_ids
+from .scheduler import DEFAULT_PREFILL_CHUNK, RequestTooLargeError, Scheduler
+from .workload import EngineStalledError, StepRecord, WorkItem, generated_ids
 
 __all__ = [
     "EngineStalledError",

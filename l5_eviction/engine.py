@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 from l1_contiguous import InputError
 from l1_contiguous.errors import short_repr
-from l2_paged import BlockAllocator, blocks_needed
+from l2_paged import BlockAllocator
 from l3_block_kernel import BlockKvPool
 
 from .kv_manager import KvManager
@@ -28,27 +28,20 @@ from .policies import make_policy
 from .preempt import Preemptor
 from .rollback import PendingRollback, restore, snapshot
 from .scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
-from .workload import StepRecord, WorkItem, check_work_item, is_int
-
-
-# Steps in a row that compute no token while requests wait to run: the engine is stuck (a leaked
-# block, a scheduler that never admits), and `run` says so instead of spinning to max_steps.
-STALL_STEPS = 100
-
-
-class EngineStalledError(RuntimeError):
-    """`run` saw STALL_STEPS steps in a row compute nothing while requests were unfinished."""
+from .workload import STALL_STEPS, EngineStalledError, StepRecord, WorkItem, check_work_item, is_int
 
 
 class Engine:
-    """Hooks a later lesson overrides (each documented where it is defined; nothing else is meant
-    to be): make_kv_manager, make_scheduler, new_request, check_item, enqueue, run_plan, sample,
-    commit, maybe_finish, finish, stateful. Everything about blocks is the KV manager's (`self.kv`)."""
+    """Besides its public calls (add_request, adopt_running, abort, step, run, summary), the hooks
+    a later lesson overrides, each documented where it is defined: make_kv_manager, make_scheduler,
+    new_request, check_item, enqueue, run_plan, sample, commit, maybe_finish, finish, stateful,
+    record. Everything about blocks is the KV manager's (`self.kv`)."""
 
     request_cls = EngineRequest
     allocator_cls = BlockAllocator  # what make_engine builds for it (L8: a prefix-caching one)
     pool_cls = BlockKvPool  # ... and its pool (L13: one shared by groups of layers)
     kv_manager_cls = KvManager
+    scheduler_cls = Scheduler
     runner_cls = StepRunner
     preemptor_cls = Preemptor
 
@@ -74,7 +67,7 @@ class Engine:
 
     def make_scheduler(self, policy, prefill_chunk, watermark_blocks) -> Scheduler:
         """A hook: the scheduler (L8 and L10 build theirs with their own options)."""
-        return Scheduler(self.kv, policy, self.preemptor, prefill_chunk, watermark_blocks)
+        return self.scheduler_cls(self.kv, policy, self.preemptor, prefill_chunk, watermark_blocks)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -90,26 +83,24 @@ class Engine:
         """A request whose prompt's K/V another engine computed (L14's prefill rank) into `blocks`
         (this pool's ids, in order, one reference each held for it) joins the running requests as
         if a step had computed its prompt and sampled `first_token` (it may finish at once).
-        InputError, nothing changed, for an item `add_request` would refuse, a block count that
-        does not fit the prompt, or a token outside the vocabulary."""
+        InputError, nothing changed, for an item `add_request` would refuse, blocks that do not
+        hold the prompt (the manager's `adopt_blocks`), or a token outside the vocabulary."""
         self._finish_rollback()
         self.check_item(item)
-        n, bs = len(item.prompt_ids), self.alloc.block_size
-        if len(blocks) != blocks_needed(n, bs):
-            raise InputError(f"a prompt of {n} tokens sits in {blocks_needed(n, bs)} blocks of {bs}, not {len(blocks)}")
         if not is_int(first_token) or not 0 <= first_token < self.model.config.vocab_size:
             raise InputError(f"first token {short_repr(first_token)} is not an id of this model's vocabulary")
         req = self.new_request(item)
         self.scheduler.check(req)  # one that could never run here (its decode outgrows the pool) is refused now
         with self._all_or_nothing():
             self.kv.adopt_blocks(req, blocks)
-            req.cur_len, req.state = n, State.RUNNING
+            req.cur_len, req.state = len(req.prompt_ids), State.RUNNING
             self.requests[req.request_id] = req
             self.scheduler.running.append(req)
             self.commit([(req, 0)], {req.request_id: first_token})  # as after the step that computed it
             return req
 
     def enqueue(self, item: WorkItem) -> EngineRequest:
+        """A hook: queue a checked item (L8: its n samples); returns its (first) request."""
         req = self.new_request(item)
         if req.arrival_step <= self.now:
             self.scheduler.add(req)
@@ -120,6 +111,7 @@ class Engine:
         return req
 
     def new_request(self, item: WorkItem) -> EngineRequest:
+        """A hook: the request object for `item` (later lessons fill their own fields)."""
         return self.request_cls(list(item.prompt_ids), item.max_new_tokens, request_id=len(self.requests),
                                 priority=item.priority, arrival_step=max(item.arrival_step, self.now),
                                 stop_token_ids=tuple(item.stop_token_ids))
@@ -219,14 +211,16 @@ class Engine:
                 self.scheduler.waiting.appendleft(req)
 
     def commit(self, plan, tokens: dict[int, int]) -> None:
+        """A hook: after the forward, append each real token and finish whoever is done."""
         for req, _ in plan:
-            if req.error is not None:  # its own failure this step (see _sample): it alone stops
+            if req.error is not None:  # its own failure this step (a lesson's `sample` set it): it alone stops
                 self.finish(req, "error")
             elif req.num_pending == 0:  # the whole history is cached: the token is real
                 req.output_ids.append(tokens[req.request_id])
                 self.maybe_finish(req)
 
     def maybe_finish(self, req: EngineRequest) -> None:
+        """A hook: finish `req` if its last token ends it (eos, a stop id, max_new_tokens)."""
         token = req.output_ids[-1]
         reason = ("eos" if token in self.eos_ids else "stop" if token in req.stop_token_ids
                   else "length" if len(req.output_ids) >= req.max_new_tokens else None)
@@ -234,6 +228,7 @@ class Engine:
             self.finish(req, reason)
 
     def finish(self, req: EngineRequest, reason: str) -> None:
+        """A hook: take `req` out of the queues and free what it holds (L14 may keep its blocks)."""
         self.scheduler.remove(req)
         self.preemptor.discard(req)  # frees its blocks now
         req.state, req.finish_reason = State.FINISHED, reason
@@ -282,6 +277,7 @@ class Engine:
     # ------------------------------------------------------------------ counters
 
     def record(self, plan) -> StepRecord:
+        """A hook: the step's timeline entry (L8 also snapshots its sharing counters)."""
         s = self.scheduler
         record = StepRecord(
             step=self.now, blocks_used=self.alloc.num_used, blocks_free=self.alloc.num_free,

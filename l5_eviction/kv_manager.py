@@ -1,18 +1,21 @@
 """The KV-cache manager: the scheduler's, the runner's and the engine's one door to blocks.
 
-    scheduler ──peak_blocks / blocks_for / allocate / attach_computed_prefix──┐
-    runner ─────allocate_step / step_metadata──────────────────────────────────┼─► KvManager ─► allocator, pool
-    engine ─────stateful / failure_marks / repair_after_rollback───────────────┘
+    scheduler ──peak_blocks, blocks_for, allocate, attach_computed_prefix,
+                release_computed_prefix, admitted, new_schedule──────────┐
+    runner ─────allocate_step, step_metadata─────────────────────────────┼─► KvManager ─► allocator, pool
+    engine ─────adopt_blocks, stateful, failure_marks, repair_after_rollback┘
 
-Nothing else in the engine counts, takes or keys blocks but the preemptor, which only takes a
-victim's blocks away and gives them back (preempt.py). L5's manager gives each request its own
+In a step nothing else counts, takes or keys blocks but the preemptor, which only takes a victim's
+blocks away and gives them back (preempt.py); L10's rewind and L14's transfer hand blocks back
+and forth through their own lessons' functions. L5's manager gives each request its own
 blocks, one table in token order. A later lesson that changes how K/V is kept plugs in a subclass
 and leaves the scheduler and the engine as they are: L8 shares a cached prefix (keys, reference
 counts, copy-on-write), L13 keeps one table per group of layers and frees what falls behind a
 window, L14 asks a connector for the blocks the pool lost.
 
 The contract every manager keeps (the lesson text gives the reasons):
-  peak_blocks(req)           the most blocks `req` holds at once over its whole life; the scheduler
+  peak_blocks(req, step_tokens)
+                             the most blocks `req` holds at once over its whole life; the scheduler
                              refuses a request whose peak exceeds the pool
   blocks_for(req, n)         free blocks needed before `n` more tokens of `req` can be computed
                              (new blocks, and any copy a shared block needs before it is written)
@@ -24,8 +27,9 @@ The contract every manager keeps (the lesson text gives the reasons):
                              set its cur_len past them; L5: none, 0
   release_computed_prefix(req)
                              undo `attach_computed_prefix` for a request that was not admitted
-  adopt_blocks(req, blocks)  `req`'s K/V is in `blocks` already, one reference each held for it
-                             (another engine computed it: L14's decode rank)
+  adopt_blocks(req, blocks)  `req`'s prompt K/V is in `blocks` already, one reference each held for
+                             it (another engine computed it: L14's decode rank); InputError if
+                             they do not hold the prompt
   admitted(req)              `req` was admitted with its blocks (L8 counts its hits here)
   new_schedule()             a step's plan begins (L8 forgets the keys it saw in flight)
   step_metadata(reqs, ns, device, backend) -> (input_ids [T], meta)
@@ -38,6 +42,7 @@ The contract every manager keeps (the lesson text gives the reasons):
 
 from __future__ import annotations
 
+from l1_contiguous import InputError
 from l2_paged import BlockAllocator, OutOfBlocksError, blocks_needed, kv_positions_needed, reserve
 
 from .lifecycle import EngineRequest
@@ -89,7 +94,9 @@ class KvManager:
         pass
 
     def adopt_blocks(self, req: EngineRequest, blocks: list[int]) -> None:
-        bs = self.block_size
+        n, bs = len(req.prompt_ids), self.block_size
+        if len(blocks) != blocks_needed(n, bs):
+            raise InputError(f"a prompt of {n} tokens sits in {blocks_needed(n, bs)} blocks of {bs}, not {len(blocks)}")
         req.blocks, req.slot_indices = list(blocks), [b * bs + i for b in blocks for i in range(bs)]
 
     def admitted(self, req: EngineRequest) -> None:

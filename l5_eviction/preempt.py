@@ -94,7 +94,7 @@ class Preemptor:
 
 
 def trim(req: EngineRequest, alloc: BlockAllocator) -> None:
-    """Free blocks reserved beyond the positions that hold K/V (e.g. after a failed step)."""
+    """Free blocks reserved beyond the positions that hold K/V (swap_out: only those travel)."""
     keep = blocks_needed(req.cur_len, alloc.block_size)
     if len(req.blocks) > keep:
         alloc.free(req.blocks[keep:])

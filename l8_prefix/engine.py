@@ -117,7 +117,10 @@ class PrefixEngine(Engine):
 
     def step(self):
         self._prefill_logits.clear()
-        record = super().step()
+        return super().step()
+
+    def record(self, plan):
+        record = super().record(plan)
         self.metrics_timeline.append(self.metrics())
         return record
 

@@ -41,7 +41,7 @@ class PrefixCounters:
 class PrefixKvManager(KvManager):
     def __init__(self, alloc: PrefixBlockAllocator, pool, sharing: bool = True):
         super().__init__(alloc, pool)
-        self.sharing = sharing  # off: L5's behaviour (no keys, no hits), forks still share
+        self.sharing = sharing  # off: L5's behaviour (no keys, no hits; n samples are n requests)
         self.counters = PrefixCounters()
         self.in_flight: set[bytes] | None = None  # keys running requests compute, built once a schedule
 

@@ -84,6 +84,7 @@ def test_a_burst_computes_the_shared_prefix_once_with_the_ids_of_sharing_off_and
     assert m["prefill_tokens_computed"] <= 256 + 32 * n + 32, m["prefill_tokens_computed"]
     assert m["prefix_hit_tokens"] == (n - 1) * 256
     assert engine.metrics_timeline[0]["held_for_prefix"] == n - 1  # step 0: the first computes, the rest wait
+    assert [m["step"] for m in engine.metrics_timeline] == [r.step for r in engine.timeline]  # one per step, same step
     assert m["held_for_prefix_total"] == n - 1 and max(r.held_steps for r in engine.requests.values()) == 1
     off_engine = make_prefix_engine(ours, 700, 16, prefix_sharing=False)  # default chunk: no 9k-token forward
     off = by_sample(off_engine.run(items))
@@ -121,7 +122,7 @@ def test_requests_arriving_together_compute_their_common_blocks_once(model, hf_r
         assert ids == hf_ref(prompt, 5)
 
 
-# _prefix_in_flight's contract (§2.10) called directly: most of its points.
+# PrefixKvManager.prefix_in_flight's contract (§2.10) called directly: most of its points.
 @pytest.mark.points(4)
 def test_prefix_in_flight_asks_only_about_the_first_block_that_is_not_cached(model):
     engine = make(model)

@@ -141,7 +141,7 @@ def record_plans(engine) -> list[list]:
 
 # ---------------------------------------------------------------- what a hit reuses
 
-# _attach_cached_prefix's contract (§2.3) called directly on a warm cache: most of its points.
+# PrefixKvManager.attach_computed_prefix's contract (§2.3) called directly on a warm cache: most of its points.
 @pytest.mark.points(9)
 def test_attach_cached_prefix_takes_the_longest_cached_run_but_never_the_last_tokens_block(model):
     engine = make(model)
