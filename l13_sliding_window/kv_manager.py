@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from l1_contiguous import InputError
 from l2_paged import kv_positions_needed
-from l8_prefix import PrefixKvManager, block_key, chain_keys
+from l8_prefix import PrefixKvManager, chain_keys
 
 from .groups import NULL_BLOCK, blocks_at_peak
 from .meta import build_grouped_meta
@@ -81,20 +81,13 @@ class HybridKvManager(PrefixKvManager):
     # ------------------------------------------------------------------ after each forward
 
     def after_forward(self, req: HybridRequest) -> None:
-        if self.sharing:
-            self._register_full_blocks(req)
+        super().after_forward(req)  # L8 keys the blocks that became full (sharing on)
         self._free_behind_window(req)
 
-    def _register_full_blocks(self, req: HybridRequest) -> None:
-        """Key each block that became full, in every group that still holds it."""
-        bs = self.block_size
-        while len(req.block_keys) < req.cur_len // bs:
-            i = len(req.block_keys)
-            key = block_key(req.block_keys[-1] if req.block_keys else None, req.tokens[i * bs:(i + 1) * bs])
-            for g, table in enumerate(req.tables):
-                if table[i] != NULL_BLOCK:
-                    self.alloc.register(table[i], group_key(g, key))
-            req.block_keys.append(key)
+    def register_block(self, req: HybridRequest, i: int, key: bytes) -> None:
+        for g, table in enumerate(req.tables):
+            if table[i] != NULL_BLOCK:
+                self.alloc.register(table[i], group_key(g, key))
 
     def _free_behind_window(self, req: HybridRequest) -> None:
         held = set(req.blocks)

@@ -118,8 +118,12 @@ class PrefixKvManager(KvManager):
         while len(req.block_keys) < req.cur_len // bs:
             i = len(req.block_keys)
             key = block_key(req.block_keys[-1] if req.block_keys else None, req.tokens[i * bs:(i + 1) * bs])
-            self.alloc.register(req.blocks[i], key)
+            self.register_block(req, i, key)
             req.block_keys.append(key)
+
+    def register_block(self, req: PrefixRequest, i: int, key: bytes) -> None:
+        """Key the i-th block of `req` (L13: in every group that still holds it)."""
+        self.alloc.register(req.blocks[i], key)
 
     def fork(self, child: PrefixRequest, parent: PrefixRequest) -> None:
         """`child` holds every block of `parent` (one more reference each) and its progress."""
