@@ -25,6 +25,7 @@ from .messages import NOT_NOW, PREFILL_RANK, REFUSED, Header, TransferError
 from .pd import plan_receive, receive
 from .transport import DataPath, Receiver
 
+
 @dataclass
 class DecodeOutcome:
     index: int
