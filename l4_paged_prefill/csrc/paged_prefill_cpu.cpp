@@ -1,0 +1,178 @@
+// Paged attention for a ragged batch of queries, written for a CPU's cores (float32).
+//
+// Inputs and rules as in paged_prefill.h. The work is cut into items of (request, tile of up to
+// kTileRows of its query rows, KV head); torch's OpenMP threads take items in turn. An item walks
+// the blocks its tile reads once, from the first key any of its rows may read to the last, and
+// every row of the tile (each query row times the G query heads of the KV head) scores each key
+// row as it passes: a key row is read from memory once per tile, not once per query. A decode is
+// a tile of one row, and the walk is then L3's.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "paged_prefill.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#else  // built without OpenMP: the calling thread does every item
+static int omp_get_thread_num() { return 0; }
+static int omp_get_num_threads() { return 1; }
+#endif
+
+namespace {
+
+constexpr int kTileRows = 16;               // query rows per item
+constexpr int64_t kMinWorkPerThread = 1 << 18;  // multiply-adds worth a thread's start-up
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+float dot(const float* a, const float* b, int n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Running softmax state of `rows` rows: maximum m, sum l of exp(score - m), acc = sum of
+// exp(score - m) * v. Scratch layout: qs [rows, D], acc [rows, D], scores [rows, block_size], m, l.
+struct TileState {
+  float *qs, *acc, *scores, *m, *l;
+  TileState(std::vector<float>& scratch, int rows, int D, int block_size) {
+    qs = scratch.data();
+    acc = qs + rows * D;
+    scores = acc + rows * D;
+    m = scores + rows * block_size;
+    l = m + rows;
+  }
+};
+
+size_t scratch_floats(int max_rows, int D, int block_size) { return size_t(max_rows) * (2 * D + block_size + 2); }
+
+// Request `seq`, its query rows [r0, r1), KV head `kv`: rows of the tile are (query i, group g).
+void attend_tile(const PagedPrefillArgs& a, int seq, int r0, int r1, int kv, std::vector<float>& scratch) {
+  const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
+  const int queries = r1 - r0, rows = queries * G;
+  const int n = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq], len = a.context_lens[seq];
+  const int first_pos = len - n + (r0 - a.cu_seqlens_q[seq]);  // the causal offset of row r0
+  const int64_t row_stride = int64_t(a.num_kv_heads) * D;      // one position of one block
+  const float* q = static_cast<const float*>(a.q);
+  TileState st(scratch, rows, D, bs);
+  for (int i = 0; i < queries; ++i) {
+    for (int g = 0; g < G; ++g) {
+      const float* src = q + (int64_t(r0 + i) * a.num_heads + kv * G + g) * D;
+      for (int d = 0; d < D; ++d) st.qs[(i * G + g) * D + d] = src[d] * a.scale;
+    }
+  }
+  std::fill(st.acc, st.acc + rows * D, 0.0f);
+  std::fill(st.m, st.m + rows, kNegInf);
+  std::fill(st.l, st.l + rows, 0.0f);
+
+  std::vector<int> first(queries), end(queries);  // each query's readable key positions
+  int lo = len, hi = 0;
+  for (int i = 0; i < queries; ++i) {
+    key_range(a, seq, first_pos + i, &first[i], &end[i]);
+    lo = std::min(lo, first[i]);
+    hi = std::max(hi, end[i]);
+  }
+  const int32_t* table = a.block_tables + int64_t(seq) * a.max_blocks;
+  const float* k_cache = static_cast<const float*>(a.k_cache);
+  const float* v_cache = static_cast<const float*>(a.v_cache);
+  for (int j = lo / bs; j * bs < hi; ++j) {
+    const int t0 = std::max(0, lo - j * bs), t1 = std::min(bs, hi - j * bs);  // rows of the block in use
+    const int64_t base = int64_t(table[j]) * bs * row_stride + int64_t(kv) * D;
+    for (int t = t0; t < t1; ++t) {
+      const int p = j * bs + t;
+      const float* k = k_cache + base + t * row_stride;
+      for (int i = 0; i < queries; ++i) {
+        const bool visible = p >= first[i] && p < end[i];
+        for (int g = 0; g < G; ++g) {
+          const int r = i * G + g;
+          st.scores[r * bs + t] = visible ? dot(st.qs + r * D, k, D) : kNegInf;
+        }
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      float* s = st.scores + r * bs;
+      const float block_max = *std::max_element(s + t0, s + t1);
+      if (block_max == kNegInf) {  // nothing this row reads in this block
+        std::fill(s + t0, s + t1, 0.0f);
+        continue;
+      }
+      const float m_new = std::max(st.m[r], block_max);
+      const float rescale = std::exp(st.m[r] - m_new);  // 0 while m is -inf
+      float* acc = st.acc + r * D;
+      for (int d = 0; d < D; ++d) acc[d] *= rescale;
+      st.l[r] *= rescale;
+      for (int t = t0; t < t1; ++t) {
+        s[t] = s[t] == kNegInf ? 0.0f : std::exp(s[t] - m_new);
+        st.l[r] += s[t];
+      }
+      st.m[r] = m_new;
+    }
+    for (int t = t0; t < t1; ++t) {
+      const float* v = v_cache + base + t * row_stride;
+      for (int r = 0; r < rows; ++r) {
+        const float p = st.scores[r * bs + t];
+        if (p == 0.0f) continue;  // invisible (a NaN in an unread slot must not reach acc)
+        float* acc = st.acc + r * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[d] += p * v[d];
+      }
+    }
+  }
+  float* out = static_cast<float*>(a.out);
+  for (int i = 0; i < queries; ++i) {
+    for (int g = 0; g < G; ++g) {
+      const int r = i * G + g, head = kv * G + g;
+      const int64_t row = int64_t(r0 + i) * a.num_heads + head;
+      const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f;  // a row with no key: 0
+      for (int d = 0; d < D; ++d) out[row * D + d] = st.acc[r * D + d] * inv;
+      if (a.lse != nullptr) a.lse[row] = st.l[r] > 0.0f ? st.m[r] + std::log(st.l[r]) : kNegInf;
+    }
+  }
+}
+
+thread_local char error_message[320];  // per calling thread: ctypes releases the GIL
+
+}  // namespace
+
+// Returns nullptr, or a one-line message naming the first bad length, row offset or block id
+// (checked before any thread starts, so a bad table never reads outside the pool).
+extern "C" const char* l4_cpu_paged_prefill(
+    float* out, float* lse, const float* q, const float* k_cache, const float* v_cache,
+    const int32_t* cu_seqlens_q, const int32_t* context_lens, const int32_t* block_tables,
+    int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size,
+    int max_blocks, int num_blocks, int max_query_len, float scale, int window, int key_begin,
+    int causal, int num_threads) {
+  const PagedPrefillArgs a{out, lse, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                           num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size,
+                           max_blocks, num_blocks, max_query_len, scale, window, key_begin, causal,
+                           PrefillDtype::kFloat32};
+  if (num_kv_heads < 1 || num_heads % num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
+  if (const char* error = check_prefill_tables(a, error_message, sizeof error_message)) return error;
+
+  // Items: every request's rows cut into tiles, times the KV heads. Small calls run on the
+  // calling thread alone: handing work to other threads costs microseconds.
+  std::vector<int> item_seq, item_row;
+  int64_t work = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    for (int r = cu_seqlens_q[s]; r < cu_seqlens_q[s + 1]; r += kTileRows) {
+      item_seq.push_back(s);
+      item_row.push_back(r);
+    }
+    work += int64_t(cu_seqlens_q[s + 1] - cu_seqlens_q[s]) * context_lens[s] * num_heads * head_dim;
+  }
+  const int items = int(item_seq.size()) * num_kv_heads;
+  const int workers = int(std::clamp<int64_t>(work / kMinWorkPerThread, 1, std::max(1, num_threads)));
+  const int G = num_heads / num_kv_heads;
+  #pragma omp parallel num_threads(std::max(1, std::min(workers, items)))
+  {
+    std::vector<float> scratch(scratch_floats(kTileRows * G, head_dim, block_size));
+    for (int item = omp_get_thread_num(); item < items; item += omp_get_num_threads()) {
+      const int tile = item / num_kv_heads, kv = item % num_kv_heads, s = item_seq[tile];
+      attend_tile(a, s, item_row[tile], std::min(item_row[tile] + kTileRows, cu_seqlens_q[s + 1]), kv, scratch);
+    }
+  }
+  return nullptr;
+}
