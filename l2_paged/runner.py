@@ -97,7 +97,7 @@ class PagedRunner:
             if token in self.stop_ids or len(req.output_ids) >= req.max_new_tokens:
                 req.finished = True
                 release(req, self.alloc)
-        self._record(reqs)
+        self.record_stats(reqs)
 
     def generate(self, reqs: list[Request]) -> list[Request]:
         """Prefill all prompts in one forward, then decode everyone still running, together."""
@@ -125,7 +125,8 @@ class PagedRunner:
                 raise InputError(f"{who}: {len(ids)} prompt + {n} new tokens exceed the model's "
                                  f"{cfg.max_position_embeddings} positions")
 
-    def _record(self, reqs: list[Request]) -> None:
+    def record_stats(self, reqs: list[Request]) -> None:
+        """Append this step's counters to self.stats (a runner that overrides step calls it too)."""
         live = [r for r in reqs if not r.finished]
         self.stats.blocks_used.append(self.alloc.num_used)
         self.stats.wasted_slots.append(sum(r.wasted_slots(self.alloc.block_size) for r in live))

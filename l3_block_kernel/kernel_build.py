@@ -125,11 +125,11 @@ def _nvcc_version() -> str | None:
 def check_cuda_toolchain() -> None:
     """One-line InputError unless torch has CUDA and nvcc's CUDA major version matches torch's."""
     if torch.version.cuda is None:
-        raise InputError("the L3 CUDA extension needs a CUDA build of torch (this one is CPU-only); "
+        raise InputError("the CUDA kernels (L3, L4) need a CUDA build of torch (this one is CPU-only); "
                          "install one from https://pytorch.org/get-started/locally/")
     nvcc = _nvcc_version()
     if nvcc is None:
-        raise InputError(f"the L3 CUDA extension needs nvcc: install the CUDA {torch.version.cuda} toolkit "
+        raise InputError(f"the CUDA kernels (L3, L4) need nvcc: install the CUDA {torch.version.cuda} toolkit "
                          "and set CUDA_HOME to it")
     if nvcc.split(".")[0] != torch.version.cuda.split(".")[0]:
         raise InputError(f"nvcc is CUDA {nvcc} but torch was built with CUDA {torch.version.cuda}: install "
@@ -145,7 +145,9 @@ def cuda_arch() -> str:
     return f"{major}{minor}"
 
 
-def _build_extension():
+def build_cuda_extension(name: str, sources: list[Path], what: str):
+    """torch's cpp_extension build of `sources` for the current GPU, as module `name`_sm<arch>;
+    a failure becomes a one-line InputError naming `what`."""
     from torch.utils import cpp_extension
 
     check_cuda_toolchain()
@@ -156,16 +158,17 @@ def _build_extension():
         # also stops torch from adding flags for every architecture it knows.
         # NOTE: -O3 without --use_fast_math: fast math would flush denormals and turn the final
         # division into an approximation, and the kernel is memory-bound, so it would gain nothing.
-        return cpp_extension.load(name=f"{EXTENSION_NAME}_sm{arch}", sources=[str(BINDING_SOURCE), str(KERNEL_SOURCE)],
+        return cpp_extension.load(name=f"{name}_sm{arch}", sources=[str(path) for path in sources],
                                   extra_cflags=["-O3"],
                                   extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"])
     except Exception as exc:  # a compiler error, most often
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise InputError(f"cannot build the L3 CUDA extension for sm_{arch} ({first_line}); "
+        raise InputError(f"cannot build {what} for sm_{arch} ({first_line}); "
                          "use backend='reference' or 'emulated' meanwhile") from exc
 
 
-load_extension = BuildOnce(_build_extension)
+load_extension = BuildOnce(lambda: build_cuda_extension(EXTENSION_NAME, [BINDING_SOURCE, KERNEL_SOURCE],
+                                                         "the L3 CUDA extension"))
 load_extension.__doc__ = """Builds the CUDA extension on first use (a minute or so), then returns the module.
 
 torch keeps the build under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) and rebuilds
@@ -210,7 +213,7 @@ def host_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "l3_block_kernel"
 
 
-def _build_host(build: HostBuild) -> ctypes.CDLL:
+def build_host(build: HostBuild) -> ctypes.CDLL:
     compiler = host_compiler()
     if compiler is None:
         raise InputError(f"backend={build.backend!r} needs a {build.standard} compiler: install g++ or clang++ "
@@ -302,7 +305,7 @@ EMULATION_BUILD = HostBuild(
     inputs=(f"-I{EMULATION_SHIMS}", f"-I{CSRC_DIR}", "-x", "c++", str(KERNEL_SOURCE), "-x", "c++", str(EMULATION_BINDING)),
     filename="paged_attention_emulated.so", bind=_bind_emulation)
 
-load_emulation = BuildOnce(lambda: _build_host(EMULATION_BUILD))
+load_emulation = BuildOnce(lambda: build_host(EMULATION_BUILD))
 load_emulation.__doc__ = """Builds the kernel's CPU emulation on first use (~30 s), then returns the ctypes library."""
 
 
@@ -323,5 +326,5 @@ CPU_KERNEL_BUILD = HostBuild(
     inputs=("-x", "c++", str(CPU_KERNEL_SOURCE)), filename="paged_attention_cpu.so", bind=_bind_cpu_kernel,
     optional_flags=CPU_KERNEL_OPTIONAL_FLAGS)
 
-load_cpu_kernel = BuildOnce(lambda: _build_host(CPU_KERNEL_BUILD))
+load_cpu_kernel = BuildOnce(lambda: build_host(CPU_KERNEL_BUILD))
 load_cpu_kernel.__doc__ = """Builds csrc/paged_attention_cpu.cpp on first use (~1 s), then returns the ctypes library."""

@@ -302,7 +302,7 @@ def test_a_compiler_without_openmp_still_builds_the_cpu_kernel(monkeypatch, tmp_
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
     monkeypatch.setenv("L3_EMULATION_CACHE", str(tmp_path / "cache"))
-    library = kernel_build._build_host(kernel_build.CPU_KERNEL_BUILD)
+    library = kernel_build.build_host(kernel_build.CPU_KERNEL_BUILD)
     monkeypatch.setattr(pa, "load_cpu_kernel", lambda: library)
     case = make_case([1000, 7, 300], 16, num_kv_heads=8, group=2, head_dim=64)
     torch.testing.assert_close(paged_attention(*case, backend="cpu").double(), naive_attention(*case),
@@ -314,7 +314,7 @@ def test_a_compiler_that_fails_silently_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")  # exits 1 and prints nothing
     monkeypatch.setenv("L3_EMULATION_CACHE", str(tmp_path))
     with pytest.raises(InputError) as info:
-        kernel_build._build_host(kernel_build.CPU_KERNEL_BUILD)
+        kernel_build.build_host(kernel_build.CPU_KERNEL_BUILD)
     assert str(info.value) == "cannot build the L3 CPU kernel with false (it needs C++17): exit status 1, no message"
 
 

@@ -10,7 +10,8 @@
 //   block     one fiber (a small stack and a saved register set) per CUDA thread. A fiber runs
 //             until it reaches a synchronisation point, then hands control back to the scheduler.
 //   warp      __shfl_xor_sync: every lane posts its value, the scheduler runs the warp's other
-//             lanes to the same point, then each lane reads its partner's value.
+//             lanes to the same point, then each lane reads its partner's value. __syncwarp is a
+//             shuffle whose value nobody reads: the warp's lanes meet there.
 //   barrier   __syncthreads: the scheduler runs every warp until all its lanes wait there, then
 //             lets the whole block go on. A block whose threads disagree (some at a barrier, some
 //             at a shuffle or finished) is reported as an error, as a GPU would hang or misbehave.
@@ -400,3 +401,6 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask) {
   std::memcpy(&out, &box[(lane ^ lane_mask) % kWarpSize], sizeof(T));
   return out;
 }
+
+// The warp's lanes meet here: what one lane wrote to shared memory before it, every lane reads after.
+inline void __syncwarp(unsigned mask = 0xffffffffu) { static_cast<void>(__shfl_xor_sync(mask, 0, 0)); }

@@ -1,0 +1,35 @@
+"""L4's attention: every row of a step, prefill chunk or decode, reads K/V in place through the tables.
+
+    kv_step   write the new rows' K/V to their slots; hand on the layer's block views (no copy)
+    attend    one call over the ragged batch (varlen.py), or the cascade (cascade.py) when the
+              step's requests share leading blocks
+A model run with L2's or L3's metadata (ForwardMeta, BlockForwardMeta) takes their paths, unchanged.
+"""
+
+from __future__ import annotations
+
+from l3_block_kernel import BlockTableAttention
+
+from .cascade import cascade_attention
+from .meta import PagedStepMeta
+from .varlen import paged_prefill_attention
+
+
+class PagedPrefillAttention(BlockTableAttention):
+    def kv_step(self, k, v, pool, meta):
+        if not isinstance(meta, PagedStepMeta):
+            return super().kv_step(k, v, pool, meta)
+        pool.set_kv(self.layer_idx, meta.slot_mapping, k, v)
+        return pool.k_blocks[self.layer_idx], pool.v_blocks[self.layer_idx]  # views, not copies
+
+    def attend(self, q, k_all, v_all, meta):
+        """q [T, H, D]; k_all, v_all [num_blocks, block_size, H_kv, D] -> [T, H, D]."""
+        if not isinstance(meta, PagedStepMeta):
+            return super().attend(q, k_all, v_all, meta)
+        # The tables come from the allocator's own blocks: no per-layer value check (a GPU sync).
+        args = (q, k_all, v_all, meta.cu_seqlens_q, meta.context_lens, meta.block_tables)
+        if meta.num_common_blocks and self.window is None:
+            return cascade_attention(*args, meta.num_common_blocks, backend=meta.backend,
+                                     max_query_len=meta.max_query_len, check_values=False)
+        return paged_prefill_attention(*args, window=self.window, backend=meta.backend,
+                                       max_query_len=meta.max_query_len, check_values=False)
