@@ -157,11 +157,10 @@ class Engine:
             return record
 
     def run_plan(self, plan) -> dict[int, int]:
-        """One forward for the whole plan, decodes first (see mixed.py); request id -> sampled token."""
+        """One forward for the whole plan (see mixed.py); request id -> sampled token."""
         if not plan:
             return {}
-        ordered = sorted(plan, key=lambda entry: entry[1] > 1)  # stable: policy order within each kind
-        reqs, num_new = [r for r, _ in ordered], [n for _, n in ordered]
+        reqs, num_new = [r for r, _ in plan], [n for _, n in plan]
         logits = self.runner.forward_logits(reqs, num_new)
         return dict(zip((r.request_id for r in reqs), self.sample(reqs, logits)))
 

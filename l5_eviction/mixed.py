@@ -1,21 +1,18 @@
 """One forward per step: the decodes and the prefill chunks of a step share a flat batch.
 
-    flat batch    [ d0  d1  d2 | a  a  a  a  b  b ]     decodes first, then each prefill chunk
-                   └─ decode ─┘ └─── prefill ───┘
+    flat batch    [ d0  d1  d2 | a  a  a  a  b  b ]     a step's rows, request after request
     embedding, norms, q/k/v/o projections, MLP, lm_head   work row by row: run once on all rows
-    attention     rows [0, d): L3's decode path, walking block tables in place
-                  rows [d, T): L2's prefill path, gathering histories under a causal mask
+    attention     L4's paged attention: every row reads its request's keys through the block
+                  table, a decode being a request with one row (no gather, no mask)
 
-Only attention needs to know which rows are which; everything else reads each weight once per
-step instead of once per forward. The two halves reuse L3's metadata and L3's `kv_step` /
-`attend` unchanged: a mixed step is L3's two forwards with the row-wise work fused.
+Every weight is read once per step instead of once per forward, and attention needs to know
+nothing more than L4's metadata says: which rows are whose, and how many keys each request has.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,8 +20,9 @@ import torch
 
 from l1_contiguous import InputError
 from l2_paged import load_paged_model
-from l3_block_kernel import BlockForwardMeta, BlockTableAttention, BlockTableRunner, build_block_meta
-from l3_block_kernel.kernel_build import load_cpu_kernel
+from l3_block_kernel import BlockTableRunner
+from l4_paged_prefill import PagedPrefillAttention, build_paged_meta
+from l4_paged_prefill.varlen import cpu_kernel_builds
 
 from .fast_linear import use_packed_linears
 from .fused import fuse_projections, fused_project_qkv
@@ -33,41 +31,13 @@ if TYPE_CHECKING:
     from .kv_manager import KvManager
 
 
-@dataclass
-class MixedBatchMeta:
-    """A step with both kinds of rows: L3's decode meta for the first requests, prefill meta for the rest."""
-
-    positions: torch.Tensor  # [T] int64: the decode rows' positions, then the prefill rows'
-    cu_seqlens_q: torch.Tensor  # [B + 1] int64 over the whole batch, in the same order
-    decode: BlockForwardMeta  # one token per request: block tables, no mask
-    prefill: BlockForwardMeta  # several tokens per request: kv_indices and a [T_prefill, S] mask
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return len(self.decode.positions)
-
-
 def build_step_meta(reqs: list, num_new: list[int], device, backend: str):
-    """Input ids [T] and the metadata of one step. Requests with one new token must come first.
-
-    A step of one kind gets L3's metadata unchanged; a mixed step gets a MixedBatchMeta.
-    """
-    num_decode = num_new.count(1)
-    if any(n != 1 for n in num_new[:num_decode]):
-        raise ValueError("a mixed step lists the requests with one new token first; sort the plan "
-                         "by num_new > 1 before building its metadata")
-    if num_decode in (0, len(reqs)):
-        return build_block_meta(reqs, num_new, device, backend)
-    decode_ids, decode = build_block_meta(reqs[:num_decode], num_new[:num_decode], device, backend)
-    prefill_ids, prefill = build_block_meta(reqs[num_decode:], num_new[num_decode:], device, backend)
-    meta = MixedBatchMeta(positions=torch.cat([decode.positions, prefill.positions]),
-                          cu_seqlens_q=torch.cat([decode.cu_seqlens_q, prefill.cu_seqlens_q[1:] + num_decode]),
-                          decode=decode, prefill=prefill)
-    return torch.cat([decode_ids, prefill_ids]), meta
+    """Input ids [T] and L4's metadata of one step, whatever mix of decodes and chunks it holds."""
+    return build_paged_meta(reqs, num_new, device, backend)
 
 
-class MixedBatchAttention(BlockTableAttention):
-    """L3's attention, which also takes a MixedBatchMeta: each half of the rows takes its own path."""
+class MixedBatchAttention(PagedPrefillAttention):
+    """L4's attention with the engine's fused projections: the attention of every engine's model."""
 
     fused = False  # set by fused.fuse_projections: q, k and v then come from one product
 
@@ -76,26 +46,11 @@ class MixedBatchAttention(BlockTableAttention):
             return fused_project_qkv(self, x, cos, sin)
         return super().project_qkv(x, cos, sin)
 
-    def forward(self, x, cos, sin, pool, meta):
-        if not isinstance(meta, MixedBatchMeta):
-            return super().forward(x, cos, sin, pool, meta)
-        # BEGIN SOLUTION
-        q, k, v = self.project_qkv(x, cos, sin)  # [T, H, D], [T, H_kv, D], [T, H_kv, D]
-        d = meta.num_decode_tokens
-        out = torch.cat([self._attend_part(q[:d], k[:d], v[:d], pool, meta.decode),
-                         self._attend_part(q[d:], k[d:], v[d:], pool, meta.prefill)])
-        return self.o_proj(out.flatten(1))
-        # END SOLUTION
-
-    def _attend_part(self, q, k, v, pool, meta):
-        """L3's cache step and attention for one half of the rows: writes its K/V, returns [rows, H, D]."""
-        k_all, v_all = self.kv_step(k, v, pool, meta)
-        return self.attend(q, k_all, v_all, meta)
-
 
 def load_engine_model(model_dir: str | Path, dtype=torch.float32, device="cpu", packed_linears: bool = True,
                       attention_cls: type[MixedBatchAttention] = MixedBatchAttention):
-    """L3's model with attention that runs mixed steps: the model every L5 (and L8) engine runs.
+    """L4's model (every step on one paged attention) with fused projections: the model every
+    engine from L5 on runs.
 
     Its q/k/v and gate/up projections are stacked into one product each and its norms are
     torch's (fused.py: the same arithmetic in fewer operations). packed_linears: on a CPU in
@@ -106,23 +61,21 @@ def load_engine_model(model_dir: str | Path, dtype=torch.float32, device="cpu", 
     return use_packed_linears(model) if packed_linears else model
 
 
-def engine_backend(device, dtype: torch.dtype = torch.float32) -> str:
-    """The decode path an engine uses by default: the kernel on CUDA; on a CPU, L3's C++ walk of
-    the block tables ("cpu", float32), else L3's gather backend.
+# What a smoke script or a benchmark may ask an engine for: L4's backends ("auto" is the library's).
+ENGINE_BACKENDS = ("kernel", "emulated", "cpu", "reference")
 
-    The reference walks blocks in a Python loop; it is the oracle, and slow. Without a C++
-    compiler (or in bfloat16), copying the blocks into a padded batch for one SDPA call costs
-    less (see docs/benchmarks.md, L5).
-    """
+
+def engine_backend(device, dtype: torch.dtype = torch.float32) -> str:
+    """The attention backend an engine uses by default (L4's names): the kernel on CUDA; on a CPU,
+    L4's C++ kernel ("cpu", float32) where a C++ compiler builds it, else the PyTorch reference."""
     if torch.device(device).type == "cuda":
         return "kernel"
     if dtype != torch.float32:
-        return "gather"
-    try:
-        load_cpu_kernel()
-    except InputError as exc:
-        _say_once(f"the engine decodes with L3's gather backend: {exc}")
-        return "gather"
+        return "reference"
+    if not cpu_kernel_builds():
+        _say_once("the engine attends with L4's PyTorch reference: L4's C++ kernel does not build here "
+                  "(python -c 'from l4_paged_prefill.kernel_build import load_cpu_kernel; load_cpu_kernel()' says why)")
+        return "reference"
     return "cpu"
 
 
@@ -132,7 +85,7 @@ def _say_once(message: str) -> None:
 
 
 class StepRunner(BlockTableRunner):
-    """L3's runner on a step's (possibly mixed) batch; blocks and metadata come from the KV manager
+    """L3's runner on a step's batch (decodes and prefill chunks together); blocks and metadata come from the KV manager
     (kv_manager.py), so a lesson that keeps K/V differently changes the manager, not the runner."""
 
     def __init__(self, model, kv: KvManager, backend: str | None = None):
@@ -148,7 +101,8 @@ class StepRunner(BlockTableRunner):
 
 
 def check_engine_model(model) -> None:
-    """Every attention layer must take a MixedBatchMeta; say how to load such a model if not."""
+    """Every attention layer must be the engine's (L4's read path, fused projections); say how to
+    load such a model if not."""
     kinds = {type(layer.self_attn).__name__ for layer in model.model.layers
              if not isinstance(layer.self_attn, MixedBatchAttention)}
     if kinds:

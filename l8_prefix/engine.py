@@ -175,6 +175,7 @@ class PrefixEngine(Engine):
             "prefill_tokens_computed": c.prefill_tokens_total - c.prefix_hit_tokens,
             "fork_shared_tokens": c.fork_shared_tokens, "cow_copies": c.cow_copies,
             "held_for_prefix": len(self.scheduler.held_now), "held_for_prefix_total": c.held_for_prefix,
+            "cascade_steps": c.cascade_steps, "cascade_block_reads_saved": c.cascade_block_reads_saved,
         }
 
     def summary(self) -> dict:

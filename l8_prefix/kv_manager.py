@@ -14,6 +14,8 @@ And what L8 adds to it:
   fork(child, parent)      the child shares every block of the parent (the partial last one too)
   pending_keys(req), prefix_in_flight(req, in_flight)
                            what the scheduler needs to hold a request for a prefix in flight
+  step_metadata            L4's, with the leading blocks every request of the step shares marked
+                           for cascade attention (read once for all the step's rows)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from l2_paged import release
+from l4_paged_prefill import build_paged_meta, common_prefix_blocks
 from l5_eviction import KvManager
 
 from .block_hash import block_key, chain_keys
@@ -36,9 +39,18 @@ class PrefixCounters:
     fork_shared_tokens: int = 0  # prompt tokens forks got from their parent without computing
     cow_copies: int = 0
     held_for_prefix: int = 0  # request-steps spent held while another request computed their prefix
+    cascade_steps: int = 0  # forwards that read a shared prefix once for all their rows (L4's cascade)
+    cascade_block_reads_saved: int = 0  # per layer: the shared blocks' reads beyond the first, summed
 
 
 class PrefixKvManager(KvManager):
+    # A cascade pays a second pass and a merge: worth it only when enough rows share enough keys
+    # (vLLM's rule of thumb is of the same kind). An engine may lower them (the tests, the smoke),
+    # or turn the cascade off.
+    cascade = True
+    cascade_min_requests = 8
+    cascade_min_prefix_tokens = 256
+
     def __init__(self, alloc: PrefixBlockAllocator, pool, sharing: bool = True):
         super().__init__(alloc, pool)
         self.sharing = sharing  # off: L5's behaviour (no keys, no hits; n samples are n requests)
@@ -131,6 +143,20 @@ class PrefixKvManager(KvManager):
         child.blocks, child.slot_indices = list(parent.blocks), list(parent.slot_indices)
         child.block_keys, child.cur_len = list(parent.block_keys), parent.cur_len
         self.counters.fork_shared_tokens += child.cur_len
+
+    # ------------------------------------------------------------------ one forward
+
+    def step_metadata(self, reqs: list[PrefixRequest], num_new: list[int], device, backend: str):
+        common = 0
+        if self.cascade and self.sharing and len(reqs) >= self.cascade_min_requests:
+            common = common_prefix_blocks([r.blocks for r in reqs], [r.cur_len + n for r, n in zip(reqs, num_new)],
+                                          num_new, self.block_size)
+            if common * self.block_size < self.cascade_min_prefix_tokens:
+                common = 0
+        if common:
+            self.counters.cascade_steps += 1
+            self.counters.cascade_block_reads_saved += common * (len(reqs) - 1)
+        return build_paged_meta(reqs, num_new, device, backend, num_common_blocks=common)
 
     # ------------------------------------------------------------------ rollback
 

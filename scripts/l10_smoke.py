@@ -19,7 +19,8 @@ with starting():  # a Ctrl-C during these imports (a second or more) ends in one
     from harness.smoke import DEFAULT_MODEL, LessonRun, RequestResult, run_smoke  # noqa: E402
     from l1_contiguous import InputError  # noqa: E402
     from l2_paged import blocks_needed  # noqa: E402
-    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l3_block_kernel import check_backend_device  # noqa: E402
+    from l5_eviction.mixed import ENGINE_BACKENDS  # noqa: E402
     from l5_eviction import engine_backend, load_engine_model  # noqa: E402
     from l8_prefix import SampledWorkItem  # noqa: E402
     from l10_speculative import DraftModelDrafter, PromptLookupDrafter, make_spec_engine  # noqa: E402
@@ -44,8 +45,9 @@ def add_options(parser):
                         help="target pool size (default: enough for every request at once)")
     parser.add_argument("--prefix-sharing", choices=["on", "off"], default="on")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (greedy: all equal HF)")
-    parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
-                        help="decode attention (default: kernel on CUDA, gather on CPU)")
+    parser.add_argument("--backend", choices=ENGINE_BACKENDS, default=None,
+                        help="attention: L4's paged path for every row (default: kernel on CUDA, cpu for "
+                             "float32 on a CPU, else reference; emulated: the CUDA kernel's own code on the CPU, slowly)")
 
 
 def check_options(args) -> None:

@@ -24,7 +24,8 @@ with starting():  # a Ctrl-C during these imports (a second or more) ends in one
     from harness.tiny_models import EMBEDDED_HYBRID_WINDOW, as_hybrid  # noqa: E402
     from l1_contiguous import InputError, load_config  # noqa: E402
     from l1_contiguous.config import MIN_WINDOW, WINDOW_1_WHY  # noqa: E402
-    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l3_block_kernel import check_backend_device  # noqa: E402
+    from l5_eviction.mixed import ENGINE_BACKENDS  # noqa: E402
     from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, WorkItem, engine_backend  # noqa: E402
     from l13_sliding_window import blocks_at_peak, kv_cache_groups, load_hybrid_model, make_hybrid_engine  # noqa: E402
 
@@ -60,9 +61,9 @@ def add_options(parser):
                         help="blocks a window left behind stay cached for later hits (default: they are freed)")
     parser.add_argument("--turns", type=int, choices=[1, 2], default=2,
                         help="2 (default): each request comes back once, with its answer and a follow-up")
-    parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
-                        help="decode attention of the full-attention groups (default: kernel on CUDA, the cpu "
-                             "kernel or gather on CPU); sliding groups gather their window")
+    parser.add_argument("--backend", choices=ENGINE_BACKENDS, default=None,
+                        help="attention: L4's paged path for every row (default: kernel on CUDA, cpu for "
+                             "float32 on a CPU, else reference; emulated: the CUDA kernel's own code on the CPU, slowly)")
 
 
 def hybrid_folder(args, setup) -> None:

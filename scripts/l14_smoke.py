@@ -27,7 +27,8 @@ with starting():  # a Ctrl-C during these imports (a second or more) ends in one
     from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
     from l1_contiguous import InputError  # noqa: E402
     from l2_paged import blocks_needed  # noqa: E402
-    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l3_block_kernel import check_backend_device  # noqa: E402
+    from l5_eviction.mixed import ENGINE_BACKENDS  # noqa: E402
     from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, engine_backend, load_engine_model  # noqa: E402
     from l14_kv_transfer import MODES, kv_identity, make_offload_engine, make_store  # noqa: E402
     from l14_kv_transfer import decode_rank, pd, transport  # noqa: E402
@@ -57,8 +58,9 @@ def add_options(parser):
                              "too small to keep the first turns; under torchrun, every request at once)")
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help=f"at most this many prompt tokens per step (default {DEFAULT_PREFILL_CHUNK})")
-    parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
-                        help="decode attention (default: kernel on CUDA, the cpu kernel or gather on CPU)")
+    parser.add_argument("--backend", choices=ENGINE_BACKENDS, default=None,
+                        help="attention: L4's paged path for every row (default: kernel on CUDA, cpu for "
+                             "float32 on a CPU, else reference; emulated: the CUDA kernel's own code on the CPU, slowly)")
     parser.add_argument("--transfer-timeout", type=float, default=30.0,
                         help="two processes: seconds the decode rank waits for a transfer's K/V before it ends "
                              "that request with an error (default 30); a rank that goes silent without closing "

@@ -15,7 +15,8 @@ with starting():  # a Ctrl-C during these imports (a second or more) ends in one
     from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
     from l1_contiguous import InputError  # noqa: E402
     from l2_paged import blocks_needed, kv_positions_needed  # noqa: E402
-    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l3_block_kernel import check_backend_device  # noqa: E402
+    from l5_eviction.mixed import ENGINE_BACKENDS  # noqa: E402
     from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, POLICIES, WorkItem, engine_backend, load_engine_model, make_engine  # noqa: E402
 
 
@@ -41,9 +42,9 @@ def add_options(parser):
     parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                         help="at most this many prompt tokens per step, all prefills together "
                              f"(default {DEFAULT_PREFILL_CHUNK}, the engine's)")
-    parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
-                        help="decode attention (default: kernel on CUDA, gather on CPU; reference is L3's oracle; "
-                             "emulated runs the kernel's code on the CPU, slowly)")
+    parser.add_argument("--backend", choices=ENGINE_BACKENDS, default=None,
+                        help="attention: L4's paged path for every row (default: kernel on CUDA, cpu for "
+                             "float32 on a CPU, else reference; emulated: the CUDA kernel's own code on the CPU, slowly)")
 
 
 def workload(args, setup) -> list[WorkItem]:

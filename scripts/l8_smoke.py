@@ -18,7 +18,8 @@ with starting():  # a Ctrl-C during these imports (a second or more) ends in one
     from harness.smoke import LessonRun, RequestResult, encode, run_smoke  # noqa: E402
     from l1_contiguous import InputError  # noqa: E402
     from l2_paged import blocks_needed  # noqa: E402
-    from l3_block_kernel import DECODE_BACKENDS, check_backend_device  # noqa: E402
+    from l3_block_kernel import check_backend_device  # noqa: E402
+    from l5_eviction.mixed import ENGINE_BACKENDS  # noqa: E402
     from l5_eviction import DEFAULT_PREFILL_CHUNK, MODES, engine_backend, load_engine_model  # noqa: E402
     from l8_prefix import SampledWorkItem, make_prefix_engine  # noqa: E402
 
@@ -58,9 +59,13 @@ def add_options(parser):
                              f"(default {DEFAULT_PREFILL_CHUNK}, the engine's)")
     parser.add_argument("--preempt", choices=MODES, default="recompute",
                         help="how a request is preempted when the pool runs out (default: recompute)")
-    parser.add_argument("--backend", choices=DECODE_BACKENDS, default=None,
-                        help="decode attention (default: kernel on CUDA, gather on CPU; reference is L3's oracle; "
-                             "emulated runs the kernel's code on the CPU, slowly)")
+    parser.add_argument("--cascade", choices=["auto", "always", "off"], default="auto",
+                        help="L4's cascade attention over the blocks every request of a step shares: auto "
+                             "(default) when at least 8 requests share 256 tokens or more, always when two "
+                             "requests share a block, or off")
+    parser.add_argument("--backend", choices=ENGINE_BACKENDS, default=None,
+                        help="attention: L4's paged path for every row (default: kernel on CUDA, cpu for "
+                             "float32 on a CPU, else reference; emulated: the CUDA kernel's own code on the CPU, slowly)")
 
 
 def workload(args, setup) -> list[SampledWorkItem]:
@@ -108,6 +113,9 @@ def run(args, setup) -> LessonRun:
     check_backend_device(backend, setup.device)
     engine = make_prefix_engine(model, num_blocks, args.block_size, prefix_sharing=args.prefix_sharing == "on",
                                 preempt=args.preempt, prefill_chunk=args.prefill_chunk, backend=backend)
+    engine.kv.cascade = args.cascade != "off"
+    if args.cascade == "always":
+        engine.kv.cascade_min_requests, engine.kv.cascade_min_prefix_tokens = 2, 0
     requests = engine.run(items)
     engine.alloc.check()  # every block in exactly one place, no negative count, key maps agree
     ordered = sorted(requests.values(), key=lambda r: (r.group, r.sample_index))
@@ -125,7 +133,7 @@ def figures(args, engine, items, backend) -> dict:
     """Engine counters at the end, plus the peaks of the per-step metrics (at the end nothing runs)."""
     timeline = engine.metrics_timeline
     summary = engine.summary()
-    out = {"backend": backend, "prefix_sharing": args.prefix_sharing, "preempt_mode": args.preempt,
+    out = {"backend": backend, "cascade": args.cascade, "prefix_sharing": args.prefix_sharing, "preempt_mode": args.preempt,
            "block_size": args.block_size, "prefill_chunk": args.prefill_chunk, "arrivals": args.arrivals, "requests_and_samples": sum(w.n for w in items),
            "blocks_demanded": sum(demand(items, args.block_size)), **summary}
     # Prompt tokens every request and sample needed K/V for; with sharing on, forks get theirs from
