@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from l2_paged import BlockAllocator, Request, blocks_needed, reserve
-from l3_block_kernel import BlockKvPool, build_block_meta
+from l3_block_kernel import BlockKvPool
+from l4_paged_prefill import build_paged_meta
 from l5_eviction import WorkItem, make_engine
 
 from .engine import make_quantized_engine
@@ -47,7 +48,7 @@ def teacher_forced_logits(model, ids: list[int], scales: KvScales | None, block_
             else QuantizedKvPool(cfg, n, block_size, scales, device))
     req = Request(list(ids), 1)
     reserve(req, BlockAllocator(n, block_size), len(ids))
-    input_ids, meta = build_block_meta([req], [len(ids)], device)
+    input_ids, meta = build_paged_meta([req], [len(ids)], device)
     return model(input_ids, pool, meta, logits_for=torch.arange(len(ids), device=device)).float()
 
 

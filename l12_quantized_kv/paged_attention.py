@@ -1,4 +1,4 @@
-"""L12's decode read path: L3's paged attention over a pool of one-byte codes.
+"""L12's read paths: L3's decode attention and L4's attention for a whole step, over one-byte codes.
 
     k_codes, v_codes (one layer)   [num_blocks, block_size, H_kv, D]   fp8 e4m3 or int8
     k_scales, v_scales             [H_kv] float32
@@ -11,6 +11,12 @@ The backends are L3's, given the cache's format and scales:
   for all the query heads of its GQA group.
 - "reference", "gather": dequantize the blocks the tables use into a compact float cache (a copy:
   what the kernel exists to avoid) and run L3's PyTorch algorithm on it, the oracle for the others.
+
+A step of the engine (decodes and prefill chunks, L4's metadata) goes through
+`paged_step_attention_quantized`: L4's CPU kernel and L4's reference read the codes in place;
+on CUDA (and emulated) a step of decodes only takes L3's kernel above, and a step with prefill
+rows dequantizes the blocks it reads and runs L4's kernel on them (L4's CUDA kernel reads float
+caches only: teaching it codes is the same change L3's kernel got, and an exercise).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from l1_contiguous import InputError
 from l3_block_kernel.paged_attention import (SPLIT_K_PARTITION, expect_tensor, check_inputs, paged_attention_cpu,
                                              paged_attention_gather, paged_attention_reference, resolve_call,
                                              run_kernel)
+
+from l4_paged_prefill import PagedStepMeta, paged_prefill_attention
 
 from .quantize import FORMATS, dequantize
 
@@ -89,3 +97,21 @@ def _dequantize_used_blocks(q, k_codes, v_codes, k_scales, v_scales, block_table
     k_cache = dequantize(k_codes[ids], k_scales, q.dtype)
     v_cache = dequantize(v_codes[ids], v_scales, q.dtype)
     return k_cache, v_cache, compact_tables
+
+
+def paged_step_attention_quantized(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
+                                   k_scales: torch.Tensor, v_scales: torch.Tensor, meta: PagedStepMeta) -> torch.Tensor:
+    """One step's attention (L4's metadata: decodes and prefill chunks) over a quantized cache:
+    q [T, H, D] -> [T, H, D]. The pool's scales were checked when they were set, the tables come
+    from the allocator: no value checks here (on CUDA they would sync)."""
+    tables, lens, backend = meta.block_tables, meta.context_lens, meta.backend
+    if backend in ("cpu", "reference"):
+        return paged_prefill_attention(q, k_codes, v_codes, meta.cu_seqlens_q, lens, tables, backend=backend,
+                                       max_query_len=meta.max_query_len, check_values=False, k_scales=k_scales,
+                                       v_scales=v_scales)
+    if meta.max_query_len == 1:  # one row per request: L3's kernel reads the codes in place
+        return paged_attention_quantized(q, k_codes, v_codes, k_scales, v_scales, tables, lens, backend=backend,
+                                         check_values=False)
+    k_cache, v_cache, compact_tables = _dequantize_used_blocks(q, k_codes, v_codes, k_scales, v_scales, tables, lens)
+    return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, lens, compact_tables, backend=backend,
+                                   max_query_len=meta.max_query_len, check_values=False)

@@ -1,9 +1,8 @@
-"""L5's mixed-batch attention, reading its group's metadata: the model every L13 engine runs.
+"""L5's engine attention, reading its group's metadata: the model every L13 engine runs.
 
-    GroupedStepMeta ──groups[self.group]──► L5's MixedBatchAttention: decodes walk block tables
-                                            (a sliding group's from each row's window start),
-                                            prefill chunks run masked SDPA (a sliding group's mask
-                                            holds the window)
+    GroupedStepMeta ──groups[self.group]──► L4's paged attention over that group's tables, every
+                                            row of a sliding layer reading its last W positions
+                                            only (the layer's window, applied by L4's kernels)
 """
 
 from __future__ import annotations
@@ -12,14 +11,13 @@ from pathlib import Path
 
 import torch
 
-from l1_contiguous import attend
 from l5_eviction import MixedBatchAttention, load_engine_model
 
 from .groups import kv_cache_groups
 
 
 class GroupedAttention(MixedBatchAttention):
-    reads_windows = True  # a sliding group's mask (meta.py) holds the window
+    reads_windows = True  # L4's attention applies self.window
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__(cfg, layer_idx)
@@ -27,11 +25,6 @@ class GroupedAttention(MixedBatchAttention):
 
     def forward(self, x, cos, sin, pool, meta):
         return super().forward(x, cos, sin, pool, meta.groups[self.group])
-
-    def attend(self, q, k_all, v_all, meta):
-        if meta.is_prefill:  # the gathered keys and their mask, window included, come from meta
-            return attend(q, k_all, v_all, meta.attn_mask)
-        return super().attend(q, k_all, v_all, meta)  # a sliding group's decodes carry window_starts
 
 
 def load_hybrid_model(model_dir: str | Path, dtype=torch.float32, device="cpu", packed_linears: bool = True):

@@ -13,8 +13,8 @@ import ctypes
 from pathlib import Path
 
 from l3_block_kernel.kernel_build import (CPU_KERNEL_FLAGS, CPU_KERNEL_OPTIONAL_FLAGS, CSRC_DIR as L3_CSRC_DIR,
-                                          EMULATION_FLAGS, EMULATION_HEADER, EMULATION_SHIMS, BuildOnce, HostBuild,
-                                          build_cuda_extension, build_host)
+                                          EMULATION_FLAGS, EMULATION_HEADER, EMULATION_SHIMS, KV_CODES_HEADER,
+                                          BuildOnce, HostBuild, build_cuda_extension, build_host)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 KERNEL_SOURCE = CSRC_DIR / "paged_prefill.cu"
@@ -29,12 +29,14 @@ load_extension.__doc__ = "Builds the CUDA extension on first use (a minute or so
 # out, lse, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables; num_seqs ... max_query_len;
 # scale; window, key_begin, causal, and the dtype (emulation) or the thread count (CPU kernel).
 _ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 9 + [ctypes.c_float] + [ctypes.c_int] * 4
+# The CPU kernel's last three: cache_format, k_scales, v_scales (L12's codes).
+_CPU_ARGTYPES = [*_ARGTYPES, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 
 
-def _bind(symbol: str):
+def _bind(symbol: str, argtypes: list):
     def bind(library: ctypes.CDLL) -> ctypes.CDLL:
         fn = getattr(library, symbol)
-        fn.restype, fn.argtypes = ctypes.c_char_p, _ARGTYPES
+        fn.restype, fn.argtypes = ctypes.c_char_p, argtypes
         return library
     return bind
 
@@ -44,12 +46,14 @@ EMULATION_BUILD = HostBuild(
     sources=(KERNEL_SOURCE, HEADER, EMULATION_BINDING, EMULATION_HEADER, *sorted(EMULATION_SHIMS.glob("*.h"))),
     inputs=(f"-I{EMULATION_SHIMS}", f"-I{L3_CSRC_DIR}", f"-I{CSRC_DIR}", "-x", "c++", str(KERNEL_SOURCE),
             "-x", "c++", str(EMULATION_BINDING)),
-    filename="paged_prefill_emulated.so", bind=_bind("l4_emulated_paged_prefill"))
+    filename="paged_prefill_emulated.so", bind=_bind("l4_emulated_paged_prefill", _ARGTYPES))
 
 CPU_KERNEL_BUILD = HostBuild(
     what="the L4 CPU kernel", backend="cpu", standard="C++17", flags=(*CPU_KERNEL_FLAGS, "-fopenmp-simd"),
-    sources=(CPU_KERNEL_SOURCE, HEADER), inputs=(f"-I{CSRC_DIR}", "-x", "c++", str(CPU_KERNEL_SOURCE)),
-    filename="paged_prefill_cpu.so", bind=_bind("l4_cpu_paged_prefill"), optional_flags=CPU_KERNEL_OPTIONAL_FLAGS)
+    sources=(CPU_KERNEL_SOURCE, HEADER, KV_CODES_HEADER),
+    inputs=(f"-I{CSRC_DIR}", f"-I{L3_CSRC_DIR}", "-x", "c++", str(CPU_KERNEL_SOURCE)),
+    filename="paged_prefill_cpu.so", bind=_bind("l4_cpu_paged_prefill", _CPU_ARGTYPES),
+    optional_flags=CPU_KERNEL_OPTIONAL_FLAGS)
 
 load_emulation = BuildOnce(lambda: build_host(EMULATION_BUILD))
 load_emulation.__doc__ = "Builds the kernel's CPU emulation on first use (~30 s), then returns the ctypes library."

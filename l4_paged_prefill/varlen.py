@@ -32,6 +32,8 @@ BACKENDS = ("auto", "reference", "cpu", "emulated", "kernel")
 KERNEL_HEAD_DIMS = (32, 64, 128)
 KERNEL_MAX_GROUP = 16  # query heads per KV head: the CUDA kernel's tile holds 16 (row, head) pairs
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # PrefillDtype in paged_prefill.h
+# L12's one-byte caches: the CPU kernel's cache_format codes (kv_codes.h's CacheFormat).
+CODE_FORMATS = {torch.float8_e4m3fn: 1, torch.int8: 2}
 
 
 def query_positions(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +80,10 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                             scale: float | None = None, window: int | None = None, *, key_begin: int = 0,
-                            causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                            causal: bool = True, k_scales: torch.Tensor | None = None,
+                            v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The algorithm in PyTorch: (out [T, H, D] in q's dtype, lse [T, H] float32).
+    A cache of L12's codes is read as float(code) * its KV head's scale (k_scales, v_scales [H_kv]).
 
     All rows move together; the loop runs over block columns j. Block j of each row's request
     gives a partial state (its softmax-weighted values and log-sum-exp over the keys of that block
@@ -101,8 +105,8 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         key_pos = j * block_size + torch.arange(block_size, device=q.device)           # [block_size]
         visible = (key_pos[None, :] >= first[:, None]) & (key_pos[None, :] < end[:, None])  # [T, block_size]
         block_ids = torch.where(visible.any(1), block_tables[request, j].long(), 0)    # unread: block 0
-        k = k_cache[block_ids].to(math_dtype)                                          # [T, bs, H_kv, D]
-        v = torch.where(visible[:, :, None, None], v_cache[block_ids].to(math_dtype), 0.0)
+        k = read_rows(k_cache, block_ids, k_scales, math_dtype)                        # [T, bs, H_kv, D]
+        v = torch.where(visible[:, :, None, None], read_rows(v_cache, block_ids, v_scales, math_dtype), 0.0)
         scores = torch.einsum("tkgd,tbkd->tkgb", q_grouped, k)
         scores = torch.where(visible[:, None, None, :], scores, float("-inf"))
         block_lse = torch.logsumexp(scores, -1)                                        # [T, H_kv, G]
@@ -110,6 +114,12 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_out = torch.einsum("tkgb,tbkd->tkgd", weights, v)
         out, lse = merge_states(out, lse, block_out, block_lse)
     return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype), lse.reshape(num_tokens, num_heads).float()
+
+
+def read_rows(cache, block_ids, scales, math_dtype):
+    """cache[block_ids] as numbers: [n, block_size, H_kv, D], codes times their head's scale."""
+    rows = cache[block_ids].to(math_dtype)
+    return rows if scales is None else rows * scales.to(math_dtype)[:, None]
 
 
 def key_bounds(positions, context_lens, window: int | None, key_begin: int, causal: bool):
@@ -124,7 +134,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                             scale: float | None = None, window: int | None = None, *, backend: str = "auto",
                             max_query_len: int | None = None, key_begin: int = 0, causal: bool = True,
-                            return_lse: bool = False, check_values: bool = True):
+                            return_lse: bool = False, check_values: bool = True,
+                            k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None):
     """Attention of a ragged batch of query rows, each reading its request's keys through its block table.
 
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D] (contiguous, q's dtype);
@@ -139,13 +150,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     always check, in C++, before reading anything.
     backend: "cpu", "emulated", "kernel" (CUDA), "reference", or "auto": the kernel on CUDA, the
     CPU kernel for float32 on a CPU, else the reference.
+    k_scales, v_scales: float32 [H_kv] when the caches hold L12's one-byte codes (torch.float8_e4m3fn
+    or torch.int8), read as float(code) * scale; the "cpu" and "reference" backends take them.
     """
     check_prefill_inputs(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)
+    check_scales(q, k_cache, k_scales, v_scales)
     if window is not None and (not isinstance(window, int) or window < 1):
         raise InputError(f"window must be None or a positive int (a sliding layer's size), got {window!r}")
     if window is not None and not causal:
         raise InputError("causal=False (cascade's prefix pass) takes no window: a sliding layer is not cascaded")
     backend = pick_backend(backend, q, k_cache)
+    if k_scales is not None and backend in ("kernel", "emulated"):
+        raise InputError(f"backend={backend!r} reads float caches only; a cache of codes takes backend='cpu' or "
+                         "'reference' (L12 dequantizes the blocks a step reads for the CUDA kernel)")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if len(context_lens) else 0
@@ -154,32 +171,37 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                              key_begin)
     if backend == "reference":
         out, lse = paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                                           window, key_begin=key_begin, causal=causal)
+                                           window, key_begin=key_begin, causal=causal, k_scales=k_scales,
+                                           v_scales=v_scales)
     elif backend == "kernel":
         out, lse = load_extension().forward(q.contiguous(), k_cache, v_cache, cu_seqlens_q.contiguous(),
                                             context_lens.contiguous(), block_tables.contiguous(), max_query_len,
                                             scale, window or 0, key_begin, causal)
     else:
         out, lse = run_on_host(backend, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                               window, key_begin, causal, max_query_len)
+                               window, key_begin, causal, max_query_len, k_scales, v_scales)
     return (out, lse) if return_lse else out
 
 
 def run_on_host(backend, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window, key_begin,
-                causal, max_query_len):
-    """Backend "cpu" or "emulated": the C++ library through ctypes, on contiguous CPU tensors."""
+                causal, max_query_len, k_scales=None, v_scales=None):
+    """Backend "cpu" or "emulated": the C++ library through ctypes, on contiguous CPU tensors
+    (codes with their scales: "cpu" only)."""
     q, cu_seqlens_q, context_lens, block_tables = (t.contiguous() for t in (q, cu_seqlens_q, context_lens,
                                                                             block_tables))
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32)
     if backend == "cpu":
-        run, last = load_cpu_kernel().l4_cpu_paged_prefill, torch.get_num_threads()
+        pointers = (None, None) if k_scales is None else (k_scales.contiguous().data_ptr(),
+                                                          v_scales.contiguous().data_ptr())
+        run = load_cpu_kernel().l4_cpu_paged_prefill
+        last = (torch.get_num_threads(), CODE_FORMATS.get(k_cache.dtype, 0), *pointers)
     else:
-        run, last = load_emulation().l4_emulated_paged_prefill, _DTYPE_CODES[q.dtype]
+        run, last = load_emulation().l4_emulated_paged_prefill, (_DTYPE_CODES[q.dtype],)
     error = run(out.data_ptr(), lse.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), len(context_lens),
                 q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], block_tables.shape[1],
-                k_cache.shape[0], max_query_len, scale, window or 0, key_begin, int(causal), last)
+                k_cache.shape[0], max_query_len, scale, window or 0, key_begin, int(causal), *last)
     if error is not None:
         raise InputError(error.decode())
     return out, lse
@@ -191,8 +213,10 @@ def check_prefill_inputs(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_
     expect_tensor(k_cache.dim() == 4 and k_cache.shape[3] == q.shape[2],
                   f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim={q.shape[2]}]", k_cache)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        expect_tensor(cache.shape == k_cache.shape and cache.dtype == q.dtype and cache.is_contiguous(),
-                      f"{name} must be contiguous, shaped like k_cache, in q's dtype {q.dtype}", cache)
+        expect_tensor(cache.shape == k_cache.shape and cache.dtype in (q.dtype, *CODE_FORMATS)
+                      and cache.dtype == k_cache.dtype and cache.is_contiguous(),
+                      f"{name} must be contiguous, shaped like k_cache, in q's dtype {q.dtype} (or both hold "
+                      "fp8/int8 codes)", cache)
     expect_tensor(q.shape[1] % k_cache.shape[2] == 0,
                   f"q's num_heads must be a multiple of the caches' num_kv_heads {k_cache.shape[2]}", q)
     num_seqs = len(context_lens)
@@ -205,6 +229,19 @@ def check_prefill_inputs(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cu_seqlens_q", cu_seqlens_q),
                     ("context_lens", context_lens), ("block_tables", block_tables)):
         expect_tensor(t.device == q.device, f"{name} must be on q's device {q.device}", t)
+
+
+def check_scales(q, k_cache, k_scales, v_scales) -> None:
+    """Scales come with a cache of codes, and only with one: float32 [H_kv], contiguous, on q's device."""
+    codes = k_cache.dtype in CODE_FORMATS
+    if codes != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise InputError("k_scales and v_scales go with caches of fp8/int8 codes, and both must be given "
+                         f"(the caches hold {k_cache.dtype})")
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales is not None:
+            expect_tensor(scales.dtype == torch.float32 and tuple(scales.shape) == (k_cache.shape[2],)
+                          and scales.device == q.device,
+                          f"{name} must be float32 [num_kv_heads={k_cache.shape[2]}] on q's device {q.device}", scales)
 
 
 def check_prefill_values(k_cache, cu_seqlens_q, context_lens, block_tables, max_query_len: int,
@@ -244,6 +281,8 @@ def kernel_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | N
     """Why the CUDA kernel (on a GPU or emulated) cannot take these shapes, or None."""
     if q.dtype not in _DTYPE_CODES:
         return f"dtype {q.dtype} is not one of float32, float16, bfloat16"
+    if k_cache.dtype in CODE_FORMATS:
+        return f"it reads float caches, not {k_cache.dtype} codes"
     if q.shape[-1] not in KERNEL_HEAD_DIMS:
         return f"head_dim {q.shape[-1]} is not one of {KERNEL_HEAD_DIMS}"
     if q.shape[1] // k_cache.shape[2] > KERNEL_MAX_GROUP:

@@ -6,12 +6,17 @@
 // every row of the tile (each query row times the G query heads of the KV head) scores each key
 // row as it passes: a key row is read from memory once per tile, not once per query. A decode is
 // a tile of one row, and the walk is then L3's.
+//
+// The caches may also hold L12's one-byte codes (fp8 e4m3 or int8, one scale per KV head): each
+// key and value row is then dequantized once, as it is read, for every row of the tile
+// (l3_block_kernel/csrc/kv_codes.h, shared with L3's CPU kernel). q and out stay float32.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
+#include "kv_codes.h"
 #include "paged_prefill.h"
 
 #ifdef _OPENMP
@@ -22,6 +27,8 @@ static int omp_get_num_threads() { return 1; }
 #endif
 
 namespace {
+
+using kv_codes::rows_as_float;
 
 constexpr int kTileRows = 16;               // query rows per item
 constexpr int64_t kMinWorkPerThread = 1 << 18;  // multiply-adds worth a thread's start-up
@@ -35,22 +42,35 @@ float dot(const float* a, const float* b, int n) {
 }
 
 // Running softmax state of `rows` rows: maximum m, sum l of exp(score - m), acc = sum of
-// exp(score - m) * v. Scratch layout: qs [rows, D], acc [rows, D], scores [rows, block_size], m, l.
+// exp(score - m) * v. Scratch layout: qs [rows, D], acc [rows, D], scores [rows, block_size], m, l,
+// and one dequantized row [D] (codes only).
 struct TileState {
-  float *qs, *acc, *scores, *m, *l;
+  float *qs, *acc, *scores, *m, *l, *row;
   TileState(std::vector<float>& scratch, int rows, int D, int block_size) {
     qs = scratch.data();
     acc = qs + rows * D;
     scores = acc + rows * D;
     m = scores + rows * block_size;
     l = m + rows;
+    row = l + rows;
   }
 };
 
-size_t scratch_floats(int max_rows, int D, int block_size) { return size_t(max_rows) * (2 * D + block_size + 2); }
+size_t scratch_floats(int max_rows, int D, int block_size) {
+  return size_t(max_rows) * (2 * D + block_size + 2) + D;
+}
+
+// What the caches hold: float32 (no scales), or codes with one scale per KV head.
+struct Scales {
+  const float* k;  // [num_kv_heads], or nullptr for a float32 cache
+  const float* v;
+};
 
 // Request `seq`, its query rows [r0, r1), KV head `kv`: rows of the tile are (query i, group g).
-void attend_tile(const PagedPrefillArgs& a, int seq, int r0, int r1, int kv, std::vector<float>& scratch) {
+// C: the caches' element type (float, or a code type of kv_codes.h).
+template <typename C>
+void attend_tile(const PagedPrefillArgs& a, Scales scales, int seq, int r0, int r1, int kv,
+                 std::vector<float>& scratch) {
   const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
   const int queries = r1 - r0, rows = queries * G;
   const int n = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq], len = a.context_lens[seq];
@@ -76,14 +96,16 @@ void attend_tile(const PagedPrefillArgs& a, int seq, int r0, int r1, int kv, std
     hi = std::max(hi, end[i]);
   }
   const int32_t* table = a.block_tables + int64_t(seq) * a.max_blocks;
-  const float* k_cache = static_cast<const float*>(a.k_cache);
-  const float* v_cache = static_cast<const float*>(a.v_cache);
+  const C* k_cache = static_cast<const C*>(a.k_cache);
+  const C* v_cache = static_cast<const C*>(a.v_cache);
+  const float* k_scale = scales.k == nullptr ? nullptr : scales.k + kv;  // this KV head's
+  const float* v_scale = scales.v == nullptr ? nullptr : scales.v + kv;
   for (int j = lo / bs; j * bs < hi; ++j) {
     const int t0 = std::max(0, lo - j * bs), t1 = std::min(bs, hi - j * bs);  // rows of the block in use
     const int64_t base = int64_t(table[j]) * bs * row_stride + int64_t(kv) * D;
     for (int t = t0; t < t1; ++t) {
       const int p = j * bs + t;
-      const float* k = k_cache + base + t * row_stride;
+      const float* k = rows_as_float(k_cache + base + t * row_stride, k_scale, 1, D, st.row);
       for (int i = 0; i < queries; ++i) {
         const bool visible = p >= first[i] && p < end[i];
         for (int g = 0; g < G; ++g) {
@@ -111,7 +133,7 @@ void attend_tile(const PagedPrefillArgs& a, int seq, int r0, int r1, int kv, std
       st.m[r] = m_new;
     }
     for (int t = t0; t < t1; ++t) {
-      const float* v = v_cache + base + t * row_stride;
+      const float* v = rows_as_float(v_cache + base + t * row_stride, v_scale, 1, D, st.row);
       for (int r = 0; r < rows; ++r) {
         const float p = st.scores[r * bs + t];
         if (p == 0.0f) continue;  // invisible (a NaN in an unread slot must not reach acc)
@@ -139,17 +161,28 @@ thread_local char error_message[320];  // per calling thread: ctypes releases th
 
 // Returns nullptr, or a one-line message naming the first bad length, row offset or block id
 // (checked before any thread starts, so a bad table never reads outside the pool).
+// cache_format: 0 float32 (k_scales, v_scales null), 1 fp8 e4m3 codes, 2 int8 codes.
 extern "C" const char* l4_cpu_paged_prefill(
-    float* out, float* lse, const float* q, const float* k_cache, const float* v_cache,
+    float* out, float* lse, const float* q, const void* k_cache, const void* v_cache,
     const int32_t* cu_seqlens_q, const int32_t* context_lens, const int32_t* block_tables,
     int num_seqs, int num_tokens, int num_heads, int num_kv_heads, int head_dim, int block_size,
     int max_blocks, int num_blocks, int max_query_len, float scale, int window, int key_begin,
-    int causal, int num_threads) {
+    int causal, int num_threads, int cache_format, const float* k_scales, const float* v_scales) {
   const PagedPrefillArgs a{out, lse, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
                            num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size,
                            max_blocks, num_blocks, max_query_len, scale, window, key_begin, causal,
                            PrefillDtype::kFloat32};
   if (num_kv_heads < 1 || num_heads % num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
+  using kv_codes::Fp8E4m3;
+  void (*attend)(const PagedPrefillArgs&, Scales, int, int, int, int, std::vector<float>&) =
+      cache_format == kv_codes::kFloat32 ? attend_tile<float>
+      : cache_format == kv_codes::kFp8E4m3 ? attend_tile<Fp8E4m3>
+      : cache_format == kv_codes::kInt8 ? attend_tile<int8_t> : nullptr;
+  if (attend == nullptr) return "cache_format must be 0 (float32), 1 (fp8 e4m3) or 2 (int8)";
+  if ((cache_format != kv_codes::kFloat32) != (k_scales != nullptr && v_scales != nullptr)) {
+    return "k_scales and v_scales go with an fp8 or int8 cache, and only with one";
+  }
+  const Scales scales{k_scales, v_scales};
   if (const char* error = check_prefill_tables(a, error_message, sizeof error_message)) return error;
 
   // Items: every request's rows cut into tiles, times the KV heads. Small calls run on the
@@ -171,7 +204,7 @@ extern "C" const char* l4_cpu_paged_prefill(
     std::vector<float> scratch(scratch_floats(kTileRows * G, head_dim, block_size));
     for (int item = omp_get_thread_num(); item < items; item += omp_get_num_threads()) {
       const int tile = item / num_kv_heads, kv = item % num_kv_heads, s = item_seq[tile];
-      attend_tile(a, s, item_row[tile], std::min(item_row[tile] + kTileRows, cu_seqlens_q[s + 1]), kv, scratch);
+      attend(a, scales, s, item_row[tile], std::min(item_row[tile] + kTileRows, cu_seqlens_q[s + 1]), kv, scratch);
     }
   }
   return nullptr;
