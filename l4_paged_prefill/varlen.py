@@ -82,7 +82,7 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             scale: float | None = None, window: int | None = None, *, key_begin: int = 0,
                             causal: bool = True, k_scales: torch.Tensor | None = None,
                             v_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The algorithm in PyTorch: (out [T, H, D] in q's dtype, lse [T, H] float32).
+    """The algorithm in PyTorch: (out [T, H, D] in q's dtype, lse [T, H] float32, float64 for float64 q).
     A cache of L12's codes is read as float(code) * its KV head's scale (k_scales, v_scales [H_kv]).
 
     All rows move together; the loop runs over block columns j. Block j of each row's request
@@ -113,7 +113,7 @@ def paged_prefill_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         weights = torch.exp(scores - torch.where(torch.isinf(block_lse), 0.0, block_lse)[..., None])
         block_out = torch.einsum("tkgb,tbkd->tkgd", weights, v)
         out, lse = merge_states(out, lse, block_out, block_lse)
-    return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype), lse.reshape(num_tokens, num_heads).float()
+    return out.reshape(num_tokens, num_heads, head_dim).to(q.dtype), lse.reshape(num_tokens, num_heads)
 
 
 def read_rows(cache, block_ids, scales, math_dtype):
@@ -167,8 +167,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if len(context_lens) else 0
     if check_values and backend in ("reference", "kernel"):
-        check_prefill_values(k_cache, cu_seqlens_q, context_lens, block_tables, max_query_len, causal, window,
-                             key_begin)
+        check_prefill_values(q.shape[0], k_cache, cu_seqlens_q, context_lens, block_tables, max_query_len, causal,
+                             window, key_begin)
     if backend == "reference":
         out, lse = paged_prefill_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                                            window, key_begin=key_begin, causal=causal, k_scales=k_scales,
@@ -244,7 +244,7 @@ def check_scales(q, k_cache, k_scales, v_scales) -> None:
                           f"{name} must be float32 [num_kv_heads={k_cache.shape[2]}] on q's device {q.device}", scales)
 
 
-def check_prefill_values(k_cache, cu_seqlens_q, context_lens, block_tables, max_query_len: int,
+def check_prefill_values(num_tokens: int, k_cache, cu_seqlens_q, context_lens, block_tables, max_query_len: int,
                          causal: bool = True, window: int | None = None, key_begin: int = 0) -> None:
     """The checks paged_prefill.h's check_prefill_tables makes in C++, for the reference and CUDA paths:
     row offsets, lengths, and every block id some row reads."""
@@ -252,8 +252,9 @@ def check_prefill_values(k_cache, cu_seqlens_q, context_lens, block_tables, max_
     capacity = block_tables.shape[1] * block_size
     cu, lens = cu_seqlens_q.long().cpu(), context_lens.long().cpu()
     query_lens = cu[1:] - cu[:-1]
-    if len(cu) and int(cu[0]) != 0:
-        raise InputError(f"cu_seqlens_q must start at 0, got {int(cu[0])}")
+    if int(cu[0]) != 0 or int(cu[-1]) != num_tokens:
+        raise InputError(f"cu_seqlens_q must start at 0 and end at the number of query rows {num_tokens}, "
+                         f"got {int(cu[0])} and {int(cu[-1])}")
     bad = ((query_lens < 0) | (query_lens > max_query_len)).nonzero()
     if len(bad):
         raise InputError(f"request {int(bad[0])} has {int(query_lens[bad[0]])} query rows (cu_seqlens_q must be "

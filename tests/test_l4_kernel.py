@@ -1,0 +1,186 @@
+"""L4: the kernels (C++ for a CPU, CUDA under the CPU emulation and on a GPU) against the PyTorch
+reference, the dispatcher's checks, and the CUDA source compiling with nvcc.
+
+The kernels are provided code: these tests carry no points. Each case also fills every slot no
+row reads with NaN, and pads the tables with -1 or an id past the pool, so that a kernel that
+reads one more position or one more table entry than it should fails.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from l1_contiguous import InputError
+from l3_block_kernel.kernel_build import host_compiler
+from l4_paged_prefill import cascade_attention, common_prefix_blocks, paged_prefill_attention, paged_prefill_reference
+from l4_paged_prefill.kernel_build import CSRC_DIR, KERNEL_SOURCE
+from test_l4_attention import make_batch
+
+pytestmark = [pytest.mark.l4]
+needs_compiler = pytest.mark.skipif(host_compiler() is None, reason="the cpu and emulated backends need g++ or clang++")
+HOST_BACKENDS = [pytest.param("cpu", marks=needs_compiler), pytest.param("emulated", marks=needs_compiler)]
+SHAPES = [  # context_lens, query_lens, block_size
+    ([10, 7, 2], [4, 1, 2], 4),
+    ([17, 1, 33, 16], [17, 1, 5, 1], 8),
+    ([70, 9, 40], [35, 9, 1], 16),   # more rows than one tile (16 on the CPU, 16 / G on the GPU)
+    ([5, 6, 7], [5, 3, 1], 1),
+    ([130, 64], [1, 64], 32),
+]
+
+
+def reference(case, **kwargs):
+    q, k, v, *rest = case
+    out, lse = paged_prefill_reference(q.double(), k.double(), v.double(), *rest, **kwargs)
+    return out, lse
+
+
+def run(backend, case, dtype=torch.float32, **kwargs):
+    q, k, v, *rest = case
+    return paged_prefill_attention(q.to(dtype), k.to(dtype), v.to(dtype), *rest, backend=backend,
+                                   return_lse=True, **kwargs)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("context_lens,query_lens,block_size", SHAPES)
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_host_kernels_equal_the_reference(backend, context_lens, query_lens, block_size, group):
+    case = make_batch(context_lens, query_lens, block_size, group=group, head_dim=32, fill=float("nan"), seed=group)
+    out, lse = run(backend, case)
+    want_out, want_lse = reference(case)
+    torch.testing.assert_close(out.double(), want_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("window", [None, 1, 5, 24])
+def test_host_kernels_head_dims_and_windows(backend, head_dim, window):
+    case = make_batch([50, 21, 3], [20, 1, 3], 8, group=2, head_dim=head_dim, fill=float("nan"))
+    out, _ = run(backend, case, window=window)
+    torch.testing.assert_close(out.double(), reference(case, window=window)[0], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_entries_behind_a_window_are_never_read(backend):
+    """L13 leaves -1 where a sliding group freed a block: a windowed call must not touch it."""
+    q, k, v, cu, lens, tables = make_batch([40, 33], [3, 1], 4, head_dim=32, fill=float("nan"))
+    tables[0, :7] = -1  # positions 0..27: behind the first row's window (37 - 6 + 1 = 32)
+    tables[1, :6] = -1  # positions 0..23: behind its row's window (32 - 6 + 1 = 27)
+    case = (q, k, v, cu, lens, tables)
+    out, _ = run(backend, case, window=6)
+    torch.testing.assert_close(out.double(), reference(case, window=6)[0], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", [*HOST_BACKENDS, "reference"])
+def test_the_cascade_passes_through_every_backend(backend):
+    context_lens, query_lens = [30, 22, 26, 19], [6, 1, 3, 1]
+    q, k, v, cu, lens, tables = make_batch(context_lens, query_lens, 4, shared_blocks=4, head_dim=32,
+                                           dtype=torch.float32, fill=float("nan"))
+    shared = common_prefix_blocks(tables.tolist(), context_lens, query_lens, 4)
+    assert shared == 4
+    want = paged_prefill_attention(q, k, v, cu, lens, tables, backend="reference")
+    got = cascade_attention(q, k, v, cu, lens, tables, shared, backend=backend)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_emulated_kernel_in_half_precision(dtype):
+    case = make_batch([40, 9, 17], [12, 1, 17], 8, head_dim=64, dtype=torch.float32, fill=float("nan"))
+    q, k, v, *rest = (t.to(dtype) if t.dtype == torch.float32 else t for t in case)
+    out = paged_prefill_attention(q, k, v, *rest, backend="emulated")
+    want = paged_prefill_attention(q.float(), k.float(), v.float(), *rest, backend="reference")
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("codes", [torch.float8_e4m3fn, torch.int8])
+def test_cpu_kernel_reads_l12s_codes_in_place(codes):
+    """A cache of one-byte codes with a scale per KV head reads as float(code) * scale."""
+    q, k, v, cu, lens, tables = make_batch([30, 7], [5, 1], 8, dtype=torch.float32)
+    scales = torch.tensor([0.02, 0.05]), torch.tensor([0.03, 0.04])
+    k_codes, v_codes = ((t / s[:, None]).clamp(-127, 127).round().to(codes) for t, s in zip((k, v), scales))
+    as_float = [c.float() * s[:, None] for c, s in zip((k_codes, v_codes), scales)]
+    want = paged_prefill_attention(q, *as_float, cu, lens, tables, backend="reference")
+    for backend in ("cpu", "reference"):
+        got = paged_prefill_attention(q, k_codes, v_codes, cu, lens, tables, backend=backend, k_scales=scales[0],
+                                      v_scales=scales[1])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(InputError, match="k_scales and v_scales go with caches"):
+        paged_prefill_attention(q, k_codes, v_codes, cu, lens, tables, backend="cpu")
+
+
+BAD_CALLS = [
+    ("a block id past the pool", lambda c: c[5].__setitem__((0, 1), 999), "block_tables\\[0, 1\\] = 999"),
+    ("a length past the table", lambda c: c[4].__setitem__(1, 99), "context_lens\\[1\\] = 99"),
+    ("fewer keys than rows", lambda c: c[4].__setitem__(0, 2), "context_lens\\[0\\] = 2"),
+    ("offsets that do not end at T", lambda c: c[3].__setitem__(3, 6), "cu_seqlens_q|query rows"),
+]
+
+
+@pytest.mark.parametrize("backend", [*HOST_BACKENDS, "reference"])
+@pytest.mark.parametrize("what,spoil,message", BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+def test_bad_tables_are_one_line_input_errors_before_anything_is_read(backend, what, spoil, message):
+    case = list(make_batch([10, 7, 2], [4, 1, 2], 4, head_dim=32, dtype=torch.float32))
+    spoil(case)
+    with pytest.raises(InputError, match=message) as err:
+        paged_prefill_attention(*case, backend=backend)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: c.__setitem__(1, c[1][..., :8].contiguous()), "head_dim"),
+    (lambda c: c.__setitem__(3, c[3].long()), "cu_seqlens_q must be int32"),
+    (lambda c: c.__setitem__(5, c[5][:2]), "block_tables must be int32"),
+    (lambda c: c.__setitem__(0, c[0][:, :3]), "multiple of"),
+])
+def test_bad_shapes_are_input_errors(change, message):
+    case = list(make_batch([10, 7, 2], [4, 1, 2], 4, dtype=torch.float32))
+    change(case)
+    with pytest.raises(InputError, match=message):
+        paged_prefill_attention(*case, backend="reference")
+
+
+def test_backend_choice_is_checked():
+    case = make_batch([10], [2], 4, dtype=torch.float32)
+    with pytest.raises(InputError, match="backend must be one of"):
+        paged_prefill_attention(*case, backend="gather")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="needs CUDA"):
+            paged_prefill_attention(*case, backend="kernel")
+    with pytest.raises(InputError, match="runs float32"):
+        q, k, v, *rest = case
+        paged_prefill_attention(q.double(), k.double(), v.double(), *rest, backend="cpu")
+    with pytest.raises(InputError, match="window must be"):
+        paged_prefill_attention(*case, window=0)
+
+
+def test_kernel_source_compiles_with_nvcc(tmp_path):
+    """The CUDA source is plain CUDA: nvcc compiles it for sm_80 (PTX only, the front end's checks)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    result = subprocess.run([nvcc, "-c", "-std=c++17", "-O3", f"-I{CSRC_DIR}", str(KERNEL_SOURCE), "-o",
+                             str(tmp_path / "k.o"), "-gencode=arch=compute_80,code=compute_80"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context_lens,query_lens,block_size", SHAPES)
+def test_cuda_kernel_equals_the_reference(dtype, context_lens, query_lens, block_size):
+    case = [t.cuda() for t in make_batch(context_lens, query_lens, block_size, group=4, head_dim=128,
+                                          dtype=torch.float32, fill=float("nan"))]
+    q, k, v, *rest = (t.to(dtype) if t.is_floating_point() else t for t in case)
+    out, lse = paged_prefill_attention(q, k, v, *rest, backend="kernel", return_lse=True)
+    want, want_lse = paged_prefill_reference(q.float(), k.float(), v.float(), *rest)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(lse, want_lse.float(), rtol=tolerance, atol=tolerance)

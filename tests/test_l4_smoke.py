@@ -1,0 +1,40 @@
+"""L4: the smoke script per the contract: the embedded model with prompts in chunks beside decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import run_script_json
+from l3_block_kernel.kernel_build import host_compiler
+
+pytestmark = [pytest.mark.l4]
+
+
+@pytest.mark.points(2)
+def test_embedded_model_passes_on_the_reference_path(capsys):
+    status, report, _ = run_script_json("l4_smoke", ["--backend", "reference"], capsys)
+    assert status == 0 and report["match"] is True and report["lesson"] == "L4"
+    assert report["backend"] == "reference" and report["prefill_chunk"] == 7
+    assert report["blocks_free_at_end"] == report["blocks_total"]
+    assert all(r["ids"] == r["hf_ids"] for r in report["requests"])
+
+
+@pytest.mark.skipif(host_compiler() is None, reason="the cpu and emulated backends need g++ or clang++")
+@pytest.mark.parametrize("argv", [[], ["--backend", "emulated", "--block-size", "8", "--prefill-chunk", "5"],
+                                  ["--prefill-chunk", "0", "--block-size", "32"]])
+def test_default_and_other_shapes_pass(argv, capsys):
+    status, report, _ = run_script_json("l4_smoke", argv, capsys)
+    assert status == 0 and report["match"] is True
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--backend", "kernel"], "CUDA"),
+    (["--prefill-chunk", "-1"], "--prefill-chunk"),
+    (["--block-size", "0"], "--block-size"),
+])
+def test_bad_input_exits_2(argv, fragment, capsys):
+    if argv[:2] == ["--backend", "kernel"] and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    status, _, err = run_script_json("l4_smoke", argv, capsys)
+    assert status == 2 and fragment in err and len(err.strip().splitlines()) == 1
