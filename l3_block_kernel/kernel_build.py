@@ -126,7 +126,7 @@ def _nvcc_version() -> str | None:
 def check_cuda_toolchain() -> None:
     """One-line InputError unless torch has CUDA and nvcc's CUDA major version matches torch's."""
     if torch.version.cuda is None:
-        raise InputError("the CUDA kernels (L3, L4) need a CUDA build of torch (this one is CPU-only); "
+        raise InputError("the course's CUDA kernels (L3, L4) need a CUDA build of torch (this one is CPU-only); "
                          "install one from https://pytorch.org/get-started/locally/")
     nvcc = _nvcc_version()
     if nvcc is None:

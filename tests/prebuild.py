@@ -1,6 +1,6 @@
 """Compiles that tests wait for, started when the session starts instead of inside the first test
 that needs them. The tests run one torch thread each (mostly), so on a 2-core machine a compiler
-running beside them costs little wall time: g++ builds L3's CPU kernel and the kernel's emulation
+running beside them costs little wall time: g++ builds L3's and L4's CPU kernels and their emulations
 (cached on disk, then reused by every later process), and nvcc compile-checks the CUDA source for
 `test_kernel_compiles_for_the_oldest_supported_arch`, which then only collects the result.
 Only what the selected tests need is started: a student's `make check-l1` starts nothing."""
@@ -15,12 +15,14 @@ import threading
 from pathlib import Path
 
 from l3_block_kernel.kernel_build import KERNEL_SOURCE, load_cpu_kernel, load_emulation
+from l4_paged_prefill import kernel_build as l4_build
 
 NVCC_CHECK = "tests/test_l3_kernel.py::test_kernel_compiles_for_the_oldest_supported_arch"
 # Files whose tests run the kernel's emulation; and every engine lesson's, which decode on the CPU kernel.
 EMULATION_USERS = ("tests/test_l3_", "tests/test_l12_kernel.py", "tests/test_reliability_cli.py")
-CPU_KERNEL_USERS = ("tests/test_l5_", "tests/test_l8_", "tests/test_l10_", "tests/test_l11_", "tests/test_l12_",
-                    "tests/test_bench", "tests/test_bf16")
+L4_EMULATION_USERS = ("tests/test_l4_", "tests/test_l12_")
+CPU_KERNEL_USERS = ("tests/test_l4_", "tests/test_l5_", "tests/test_l8_", "tests/test_l10_", "tests/test_l11_",
+                    "tests/test_l12_", "tests/test_l13_", "tests/test_l14_", "tests/test_bench", "tests/test_bf16")
 
 _nvcc: tuple[subprocess.Popen, Path] | None = None
 
@@ -45,8 +47,10 @@ def start(nodeids: list[str]) -> None:
     builds = []
     if any(f.startswith(EMULATION_USERS) for f in files):
         builds.append(load_emulation)
+    if any(f.startswith(L4_EMULATION_USERS) for f in files):
+        builds.append(l4_build.load_emulation)
     if builds or any(f.startswith(CPU_KERNEL_USERS) for f in files):
-        builds.insert(0, load_cpu_kernel)
+        builds[:0] = [l4_build.load_cpu_kernel, load_cpu_kernel]
     if builds:
         threading.Thread(target=_build_all, args=(builds,), daemon=True, name="prebuild").start()
     # Under pytest-xdist every worker collects every test, and which one runs the check is not known

@@ -120,7 +120,7 @@ def test_kv_heads_mapped_to_the_wrong_query_group_fails(capsys, monkeypatch):
 
 
 def test_a_block_table_entry_of_another_request_after_a_preemption_fails(capsys, monkeypatch):
-    import l3_block_kernel.meta as meta
+    import l4_paged_prefill.meta as meta
     from l5_eviction.preempt import Preemptor
 
     preempted: set[int] = set()
@@ -205,18 +205,18 @@ def test_a_bug_after_the_first_near_tie_still_fails(capsys, monkeypatch):
     """K corrupted only at positions after the tie: the ids already differ there, so only the
     teacher-forced comparison can see it; comparing the first mismatch's gap alone would pass."""
     prompt, tie_at = _near_tie_request(capsys)
-    from l3_block_kernel.attention import BlockTableAttention
+    from l4_paged_prefill.attention import PagedPrefillAttention
 
     # K/V written from here on are wrong. The run goes 12 tokens past the tie, so that positions
     # after it are computed whatever step the tie falls on (on some CPUs it is the 19th of 20).
     start = len(prompt) + tie_at + 2
-    original = BlockTableAttention.kv_step
+    original = PagedPrefillAttention.kv_step
 
     def corrupt_after_the_tie(self, k, v, pool, meta):
         late = (meta.positions >= start)[:, None, None]
         return original(self, torch.where(late, -k, k), v, pool, meta)
 
-    monkeypatch.setattr(BlockTableAttention, "kv_step", corrupt_after_the_tie)
+    monkeypatch.setattr(PagedPrefillAttention, "kv_step", corrupt_after_the_tie)
     argv = BF16 + ["--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(tie_at + 12)]
     status, report, _ = run_script_json("l8_smoke", argv, capsys)
     row = report["requests"][0]

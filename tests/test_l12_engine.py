@@ -17,7 +17,7 @@ from harness.quantized_cache import QuantizingCache
 import probes
 from helpers import random_prompt
 from l2_paged import BlockAllocator, Request, blocks_needed, reserve
-from l3_block_kernel import build_block_meta
+from l4_paged_prefill import build_paged_meta
 from l5_eviction import WorkItem
 from l8_prefix import SampledWorkItem
 from l12_quantized_kv import FP8_E4M3, INT8, KvScales
@@ -63,11 +63,11 @@ def hf_step_logits(hf_model, ids: list[int], prompt_len: int, cache) -> torch.Te
 def check_decode_hands_codes(model, pool, scales, scratch, backend: str) -> None:
     """§2.5's decode contract, in every layer: kv_step hands attention the layer's own code blocks
     (a view of the pool, neither dequantized nor copied) and its scales, so that decode reads codes
-    through `paged_attention_quantized`. A kv_step that dequantizes the whole pool every step gives
-    the same logits through L3's float path, reading four times the bytes: logits cannot tell.
+    through L4's attention. A kv_step that dequantizes the whole pool every step gives the same
+    logits through the float path, reading four times the bytes: logits cannot tell.
     Writes one token at position 1 of `scratch`, a request whose block nothing else reads."""
     scratch.cur_len, scratch.output_ids = 1, [11]
-    _, meta = build_block_meta([scratch], [1], "cpu", backend)
+    _, meta = build_paged_meta([scratch], [1], "cpu", backend)
     cfg = model.config
     k = torch.randn(1, cfg.num_key_value_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
     for layer, block in enumerate(model.model.layers):
@@ -98,12 +98,12 @@ def our_step_logits(model, scales, ids: list[int], chunks: list[int], backend: s
     reserve(req, alloc, len(ids))
     rows = []
     for chunk in chunks:
-        input_ids, meta = build_block_meta([req], [chunk], "cpu", backend)
+        input_ids, meta = build_paged_meta([req], [chunk], "cpu", backend)
         rows.append(model(input_ids, pool, meta, logits_for=torch.arange(chunk)))
         req.cur_len += chunk
     for t in range(prompt_len, len(ids)):
         req.output_ids.append(ids[t])
-        input_ids, meta = build_block_meta([req], [1], "cpu", backend)
+        input_ids, meta = build_paged_meta([req], [1], "cpu", backend)
         rows.append(model(input_ids, pool, meta, logits_for=torch.arange(1)))
         req.cur_len += 1
     check_decode_hands_codes(model, pool, scales, scratch, backend)
@@ -116,7 +116,7 @@ def test_logits_equal_the_quantizing_oracle_prefill_in_chunks_then_decode(model,
                                                                            granularity):
     scales = scales_for(fmt, granularity)
     ids = random_prompt(23, VOCAB, seed=5)
-    ours = our_step_logits(model, scales, ids, [7, 6], backend="gather")
+    ours = our_step_logits(model, scales, ids, [7, 6], backend="reference")
     want = hf_step_logits(hf_model, ids, 13, oracle(scales)())
     unquantized = hf_step_logits(hf_model, ids, 13, None)
     diff, cost = float((ours - want).abs().max()), float((unquantized - want).abs().max())
@@ -216,7 +216,7 @@ def test_the_calibration_pool_keeps_the_largest_abs_k_and_v_of_each_layers_heads
         req = Request(p, 1)
         reserve(req, alloc, len(p))
         for chunk in (len(p) // 2, len(p) - len(p) // 2):
-            input_ids, meta = build_block_meta([req], [chunk], "cpu")
+            input_ids, meta = build_paged_meta([req], [chunk], "cpu")
             model(input_ids, pool, meta)
             req.cur_len += chunk
         with torch.inference_mode():
@@ -251,7 +251,7 @@ def test_decode_hands_the_pools_own_code_blocks_to_attention(model, scales_for):
     reserve(req, alloc, 6)
     req.cur_len = 5
     req.output_ids.append(11)
-    _, meta = build_block_meta([req], [1], "cpu", "cpu")
+    _, meta = build_paged_meta([req], [1], "cpu", "cpu")
     attention = model.model.layers[1].self_attn
     k = torch.randn(1, model.config.num_key_value_heads, model.config.head_dim)
     k_all, v_all = attention.kv_step(k, k.clone(), pool, meta)

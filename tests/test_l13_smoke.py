@@ -39,9 +39,9 @@ def test_a_small_pool_preempts_and_still_passes(capsys, mode):
     assert report[f"preempted_{mode}"] > 0 and report["all_blocks_free_at_end"]
 
 
-@pytest.mark.parametrize("backend", ["gather", pytest.param("emulated", marks=needs_compiler)])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("emulated", marks=needs_compiler)])
 def test_sliding_decodes_equal_hf_on_every_cpu_backend(capsys, backend):
-    """The window start through the gather and through the CUDA kernel's own code (the default, cpu,
+    """The window through L4's reference and through its CUDA kernel's own code (the default, cpu,
     is the runs above; the kernel itself runs in scripts/gpu_checks.sh)."""
     status, report, _ = run_script_json("l13_smoke", ["--max-new-tokens", "12", "--backend", backend], capsys)
     assert status == 0 and report["match"] is True and report["backend"] == backend

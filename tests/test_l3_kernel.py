@@ -523,8 +523,8 @@ def test_a_failed_build_is_remembered_and_auto_says_why_once(monkeypatch):
 
 
 @pytest.mark.parametrize("torch_cuda, nvcc, message", [
-    (None, "12.8", "needs a CUDA build of torch (this one is CPU-only)"),
-    ("12.8", None, "needs nvcc: install the CUDA 12.8 toolkit"),
+    (None, "12.8", "(L3, L4) need a CUDA build of torch (this one is CPU-only)"),
+    ("12.8", None, "(L3, L4) need nvcc: install the CUDA 12.8 toolkit"),
     ("12.8", "13.0", "nvcc is CUDA 13.0 but torch was built with CUDA 12.8: install the CUDA 12.x toolkit"),
 ])
 def test_cuda_toolchain_mismatch_is_one_line(monkeypatch, torch_cuda, nvcc, message):

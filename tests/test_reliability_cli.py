@@ -602,7 +602,7 @@ def test_a_section_rewrite_never_leaves_a_cut_file(tmp_path, monkeypatch):
         benchmark.replace_section("/dev/full", "bench_x", "x")  # never read endlessly
 
 
-@pytest.mark.parametrize("target", ["check-L2", "check-l4", "smoke-l4"])
+@pytest.mark.parametrize("target", ["check-L2", "check-l6", "smoke-l6"])
 def test_make_names_the_lessons_for_an_unknown_one(target):
     done = subprocess.run(["make", "-s", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "No rule" not in done.stderr

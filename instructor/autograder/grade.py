@@ -106,7 +106,7 @@ DEFAULT_TIME_LIMIT_S = 38 * 60
 # Lessons whose graded tests run judged (harness/judge.py): pytest, the tests and the HF oracle in
 # the grader's own process and a tree the worker cannot read; the student's code in a worker
 # process, as the unprivileged user, answering with plain data.
-JUDGED_LESSONS = ("l1", "l2", "l3", "l5", "l8", "l10", "l11", "l12", "l13", "l14")
+JUDGED_LESSONS = ("l1", "l2", "l3", "l4", "l5", "l8", "l10", "l11", "l12", "l13", "l14")
 MAX_JUDGED_ROUNDS = 50  # a judged part restarted after a test its time limit stopped, at most this often
 # Only code that works against the grader needs these in a lesson package.
 SUSPICIOUS = {

@@ -34,30 +34,32 @@ constexpr int kTileRows = 16;               // query rows per item
 constexpr int64_t kMinWorkPerThread = 1 << 18;  // multiply-adds worth a thread's start-up
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-float dot(const float* a, const float* b, int n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-// Running softmax state of `rows` rows: maximum m, sum l of exp(score - m), acc = sum of
-// exp(score - m) * v. Scratch layout: qs [rows, D], acc [rows, D], scores [rows, block_size], m, l,
-// and one dequantized row [D] (codes only).
+// Per tile: the scaled queries qs [rows, D], the running softmax state of each row (maximum m,
+// sum l of exp(score - m), acc = sum of exp(score - m) * v [rows, D]), one block's scores
+// [rows, block_size] and the keys each row reads in it, the block's K transposed (kt [D, block_size])
+// and its V rows dequantized (vb [block_size, D], codes only), and one dequantized K row [D].
 struct TileState {
-  float *qs, *acc, *scores, *m, *l, *row;
-  TileState(std::vector<float>& scratch, int rows, int D, int block_size) {
+  float *qs, *acc, *scores, *m, *l, *kt, *vb, *row;
+  int *key_lo, *key_hi;  // [rows]: row r reads keys [key_lo, key_hi) of the current block
+  const float** v_rows;  // [block_size]: each V row of the block, in the pool or in vb
+  TileState(std::vector<float>& scratch, std::vector<int>& ranges, std::vector<const float*>& rows_of_v, int rows,
+            int D, int block_size) {
     qs = scratch.data();
     acc = qs + rows * D;
     scores = acc + rows * D;
     m = scores + rows * block_size;
     l = m + rows;
-    row = l + rows;
+    kt = l + rows;
+    vb = kt + D * block_size;
+    row = vb + block_size * D;
+    key_lo = ranges.data();
+    key_hi = key_lo + rows;
+    v_rows = rows_of_v.data();
   }
 };
 
 size_t scratch_floats(int max_rows, int D, int block_size) {
-  return size_t(max_rows) * (2 * D + block_size + 2) + D;
+  return size_t(max_rows) * (2 * D + block_size + 2) + 2 * size_t(D) * block_size + D;
 }
 
 // What the caches hold: float32 (no scales), or codes with one scale per KV head.
@@ -66,18 +68,45 @@ struct Scales {
   const float* v;
 };
 
+// Row r's scores against keys [lo, hi) of the block: D multiply-adds across contiguous keys of
+// kt (vectorised across keys, no horizontal sum per key), then the online-softmax update. Leaves
+// exp(score - m) in scores[r] for the V pass.
+void score_and_rescale(TileState& st, int r, int D, int bs, int lo, int hi) {
+  float* s = st.scores + r * bs;
+  std::fill(s + lo, s + hi, 0.0f);
+  const float* q = st.qs + r * D;
+  for (int d = 0; d < D; ++d) {
+    const float qd = q[d];
+    const float* k = st.kt + d * bs;
+#pragma omp simd
+    for (int t = lo; t < hi; ++t) s[t] += qd * k[t];
+  }
+  const float block_max = *std::max_element(s + lo, s + hi);
+  const float m_new = std::max(st.m[r], block_max);
+  const float rescale = std::exp(st.m[r] - m_new);  // 0 while m is -inf
+  float* acc = st.acc + r * D;
+  for (int d = 0; d < D; ++d) acc[d] *= rescale;
+  float sum = 0.0f;
+  for (int t = lo; t < hi; ++t) {
+    s[t] = std::exp(s[t] - m_new);
+    sum += s[t];
+  }
+  st.l[r] = st.l[r] * rescale + sum;
+  st.m[r] = m_new;
+}
+
 // Request `seq`, its query rows [r0, r1), KV head `kv`: rows of the tile are (query i, group g).
 // C: the caches' element type (float, or a code type of kv_codes.h).
 template <typename C>
 void attend_tile(const PagedPrefillArgs& a, Scales scales, int seq, int r0, int r1, int kv,
-                 std::vector<float>& scratch) {
+                 std::vector<float>& scratch, std::vector<int>& ranges, std::vector<const float*>& v_rows) {
   const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
   const int queries = r1 - r0, rows = queries * G;
   const int n = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq], len = a.context_lens[seq];
   const int first_pos = len - n + (r0 - a.cu_seqlens_q[seq]);  // the causal offset of row r0
   const int64_t row_stride = int64_t(a.num_kv_heads) * D;      // one position of one block
   const float* q = static_cast<const float*>(a.q);
-  TileState st(scratch, rows, D, bs);
+  TileState st(scratch, ranges, v_rows, rows, D, bs);
   for (int i = 0; i < queries; ++i) {
     for (int g = 0; g < G; ++g) {
       const float* src = q + (int64_t(r0 + i) * a.num_heads + kv * G + g) * D;
@@ -88,13 +117,9 @@ void attend_tile(const PagedPrefillArgs& a, Scales scales, int seq, int r0, int 
   std::fill(st.m, st.m + rows, kNegInf);
   std::fill(st.l, st.l + rows, 0.0f);
 
-  std::vector<int> first(queries), end(queries);  // each query's readable key positions
-  int lo = len, hi = 0;
-  for (int i = 0; i < queries; ++i) {
-    key_range(a, seq, first_pos + i, &first[i], &end[i]);
-    lo = std::min(lo, first[i]);
-    hi = std::max(hi, end[i]);
-  }
+  int lo, hi, unused;  // the keys the tile reads: from its first row's first to its last row's end
+  key_range(a, seq, first_pos, &lo, &unused);
+  key_range(a, seq, first_pos + queries - 1, &unused, &hi);
   const int32_t* table = a.block_tables + int64_t(seq) * a.max_blocks;
   const C* k_cache = static_cast<const C*>(a.k_cache);
   const C* v_cache = static_cast<const C*>(a.v_cache);
@@ -104,42 +129,30 @@ void attend_tile(const PagedPrefillArgs& a, Scales scales, int seq, int r0, int 
     const int t0 = std::max(0, lo - j * bs), t1 = std::min(bs, hi - j * bs);  // rows of the block in use
     const int64_t base = int64_t(table[j]) * bs * row_stride + int64_t(kv) * D;
     for (int t = t0; t < t1; ++t) {
-      const int p = j * bs + t;
       const float* k = rows_as_float(k_cache + base + t * row_stride, k_scale, 1, D, st.row);
-      for (int i = 0; i < queries; ++i) {
-        const bool visible = p >= first[i] && p < end[i];
-        for (int g = 0; g < G; ++g) {
-          const int r = i * G + g;
-          st.scores[r * bs + t] = visible ? dot(st.qs + r * D, k, D) : kNegInf;
-        }
+      for (int d = 0; d < D; ++d) st.kt[d * bs + t] = k[d];
+    }
+    for (int i = 0; i < queries; ++i) {
+      int first, end;
+      key_range(a, seq, first_pos + i, &first, &end);
+      const int key_lo = std::max(t0, first - j * bs), key_hi = std::min(t1, end - j * bs);
+      for (int g = 0; g < G; ++g) {
+        const int r = i * G + g;
+        st.key_lo[r] = key_lo;
+        st.key_hi[r] = key_hi;
+        if (key_lo < key_hi) score_and_rescale(st, r, D, bs, key_lo, key_hi);
       }
     }
-    for (int r = 0; r < rows; ++r) {
-      float* s = st.scores + r * bs;
-      const float block_max = *std::max_element(s + t0, s + t1);
-      if (block_max == kNegInf) {  // nothing this row reads in this block
-        std::fill(s + t0, s + t1, 0.0f);
-        continue;
-      }
-      const float m_new = std::max(st.m[r], block_max);
-      const float rescale = std::exp(st.m[r] - m_new);  // 0 while m is -inf
+    for (int t = t0; t < t1; ++t) {  // V rows in place (float32) or dequantized once for every row
+      st.v_rows[t] = rows_as_float(v_cache + base + t * row_stride, v_scale, 1, D, st.vb + t * D);
+    }
+    for (int r = 0; r < rows; ++r) {  // only the keys a row reads: a NaN in an unread slot never counts
       float* acc = st.acc + r * D;
-      for (int d = 0; d < D; ++d) acc[d] *= rescale;
-      st.l[r] *= rescale;
-      for (int t = t0; t < t1; ++t) {
-        s[t] = s[t] == kNegInf ? 0.0f : std::exp(s[t] - m_new);
-        st.l[r] += s[t];
-      }
-      st.m[r] = m_new;
-    }
-    for (int t = t0; t < t1; ++t) {
-      const float* v = rows_as_float(v_cache + base + t * row_stride, v_scale, 1, D, st.row);
-      for (int r = 0; r < rows; ++r) {
-        const float p = st.scores[r * bs + t];
-        if (p == 0.0f) continue;  // invisible (a NaN in an unread slot must not reach acc)
-        float* acc = st.acc + r * D;
+      const float* p = st.scores + r * bs;
+      for (int t = st.key_lo[r]; t < st.key_hi[r]; ++t) {
+        const float* v = st.v_rows[t];
 #pragma omp simd
-        for (int d = 0; d < D; ++d) acc[d] += p * v[d];
+        for (int d = 0; d < D; ++d) acc[d] += p[t] * v[d];
       }
     }
   }
@@ -174,7 +187,8 @@ extern "C" const char* l4_cpu_paged_prefill(
                            PrefillDtype::kFloat32};
   if (num_kv_heads < 1 || num_heads % num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
   using kv_codes::Fp8E4m3;
-  void (*attend)(const PagedPrefillArgs&, Scales, int, int, int, int, std::vector<float>&) =
+  void (*attend)(const PagedPrefillArgs&, Scales, int, int, int, int, std::vector<float>&, std::vector<int>&,
+                 std::vector<const float*>&) =
       cache_format == kv_codes::kFloat32 ? attend_tile<float>
       : cache_format == kv_codes::kFp8E4m3 ? attend_tile<Fp8E4m3>
       : cache_format == kv_codes::kInt8 ? attend_tile<int8_t> : nullptr;
@@ -202,9 +216,12 @@ extern "C" const char* l4_cpu_paged_prefill(
   #pragma omp parallel num_threads(std::max(1, std::min(workers, items)))
   {
     std::vector<float> scratch(scratch_floats(kTileRows * G, head_dim, block_size));
+    std::vector<int> ranges(2 * kTileRows * G);
+    std::vector<const float*> v_rows(block_size);
     for (int item = omp_get_thread_num(); item < items; item += omp_get_num_threads()) {
       const int tile = item / num_kv_heads, kv = item % num_kv_heads, s = item_seq[tile];
-      attend(a, scales, s, item_row[tile], std::min(item_row[tile] + kTileRows, cu_seqlens_q[s + 1]), kv, scratch);
+      attend(a, scales, s, item_row[tile], std::min(item_row[tile] + kTileRows, cu_seqlens_q[s + 1]), kv, scratch,
+             ranges, v_rows);
     }
   }
   return nullptr;
