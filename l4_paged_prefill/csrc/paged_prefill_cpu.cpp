@@ -2,10 +2,18 @@
 //
 // Inputs and rules as in paged_prefill.h. The work is cut into items of (request, tile of up to
 // kTileRows of its query rows, KV head); torch's OpenMP threads take items in turn. An item walks
-// the blocks its tile reads once, from the first key any of its rows may read to the last, and
-// every row of the tile (each query row times the G query heads of the KV head) scores each key
-// row as it passes: a key row is read from memory once per tile, not once per query. A decode is
-// a tile of one row, and the walk is then L3's.
+// the keys its tile reads (from its first row's first to its last row's end) kKeyTile positions
+// at a time, across block boundaries, each through the block table where it lies:
+//
+//   many rows (a prefill chunk)   the key tile's K is copied transposed into scratch, and the
+//                                 scores are register micro-tiles (4 rows x 16 keys) over it;
+//                                 then each row's online-softmax step; then the value micro-tiles
+//                                 (4 rows x 16 output elements) read the V rows in place
+//   a few rows (a decode)         each K row is scored as it is read (a dot product per row): the
+//                                 time is the bytes of K and V, and a copy would only add to them
+//
+// Every key row is read once per tile, for all its rows (its query rows times the G query heads
+// of the KV head). A decode is a tile of one row.
 //
 // The caches may also hold L12's one-byte codes (fp8 e4m3 or int8, one scale per KV head): each
 // key and value row is then dequantized once, as it is read, for every row of the tile
@@ -13,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -34,32 +43,103 @@ constexpr int kTileRows = 16;               // query rows per item
 constexpr int64_t kMinWorkPerThread = 1 << 18;  // multiply-adds worth a thread's start-up
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Per tile: the scaled queries qs [rows, D], the running softmax state of each row (maximum m,
-// sum l of exp(score - m), acc = sum of exp(score - m) * v [rows, D]), one block's scores
-// [rows, block_size] and the keys each row reads in it, the block's K transposed (kt [D, block_size])
-// and its V rows dequantized (vb [block_size, D], codes only), and one dequantized K row [D].
+// The register tiles of the two products, written with GCC's (and clang's) vector types so that
+// the accumulators stay in registers: a Vec is 8 floats, one AVX register (two SSE ones without
+// AVX). A score micro-tile is kRowGroup rows x kKeys keys: each key column of K is loaded once for
+// 4 rows. A value micro-tile is kRowGroup rows x kDims output elements: each piece of a V row is
+// loaded once for 4 rows. This is what a BLAS micro-kernel does, on a block of 16 keys.
+typedef float Vec __attribute__((vector_size(32)));
+constexpr int kLanes = 8;
+constexpr int kRowGroup = 4;
+constexpr int kKeys = 2 * kLanes;
+constexpr int kDims = 2 * kLanes;
+
+Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+float dot(const float* a, const float* b, int n) {
+  Vec acc = {};
+  int i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
+  float sum = 0.0f;
+  for (int lane = 0; lane < kLanes; ++lane) sum += acc[lane];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// Keys are taken kKeyTile positions at a time, across block boundaries: each row's softmax state
+// is updated once per 64 keys, not once per block of 16, and the micro-tiles run longer.
+constexpr int kKeyTile = 32;
+constexpr int kPrefetch = 4;  // key rows read ahead
+
+// Per tile, rows padded to a multiple of kRowGroup (padding rows read no key): the scaled queries
+// qs [rows, D]; the running softmax state of each row (maximum m, sum l of exp(score - m),
+// acc = sum of exp(score - m) * v [rows, D]); one key tile's scores, then weights,
+// [rows, kKeyTile], and the keys of it each row reads; the key tile's K transposed,
+// kt [D, kKeyTile] (zeros past the keys in use); its V rows (in the pool, or dequantized into
+// vb [kKeyTile, D] for codes); one dequantized K row [D].
 struct TileState {
+  int rows;
   float *qs, *acc, *scores, *m, *l, *kt, *vb, *row;
-  int *key_lo, *key_hi;  // [rows]: row r reads keys [key_lo, key_hi) of the current block
-  const float** v_rows;  // [block_size]: each V row of the block, in the pool or in vb
-  TileState(std::vector<float>& scratch, std::vector<int>& ranges, std::vector<const float*>& rows_of_v, int rows,
-            int D, int block_size) {
-    qs = scratch.data();
-    acc = qs + rows * D;
-    scores = acc + rows * D;
-    m = scores + rows * block_size;
-    l = m + rows;
-    kt = l + rows;
-    vb = kt + D * block_size;
-    row = vb + block_size * D;
-    key_lo = ranges.data();
-    key_hi = key_lo + rows;
-    v_rows = rows_of_v.data();
+  int *key_lo, *key_hi;
+  const float** v_rows;
+};
+
+struct Scratch {  // one per thread, sized for the largest tile
+  std::vector<float> floats;
+  std::vector<int> ranges;
+  std::vector<const float*> v_rows;
+  Scratch(int max_rows, int D)
+      : floats(size_t(round_up(max_rows, kRowGroup)) * (2 * D + kKeyTile + 2) + 2 * size_t(D) * kKeyTile + D),
+        ranges(2 * round_up(max_rows, kRowGroup)),
+        v_rows(kKeyTile) {}
+
+  TileState tile(int rows, int D) {
+    TileState st;
+    st.rows = round_up(rows, kRowGroup);
+    st.qs = floats.data();
+    st.acc = st.qs + st.rows * D;
+    st.scores = st.acc + st.rows * D;
+    st.m = st.scores + st.rows * kKeyTile;
+    st.l = st.m + st.rows;
+    st.kt = st.l + st.rows;
+    st.vb = st.kt + D * kKeyTile;
+    st.row = st.vb + kKeyTile * D;
+    st.key_lo = ranges.data();
+    st.key_hi = st.key_lo + st.rows;
+    st.v_rows = v_rows.data();
+    return st;
   }
 };
 
-size_t scratch_floats(int max_rows, int D, int block_size) {
-  return size_t(max_rows) * (2 * D + block_size + 2) + 2 * size_t(D) * block_size + D;
+// exp(x) for finite x <= 0 (a score minus the running maximum), within a few ulp of std::exp.
+// Branch-free, so that the compiler vectorises a loop of them: std::exp is a call per element,
+// and a tile computes rows x keys of them (most of a prefill tile's time with a libm call).
+// x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two parts, so that r is exact), then e^r by its
+// Taylor series to r^7 (the next term is below float's rounding), times 2^n through the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // exp(-87) is float's smallest normal order: below it the term is 0 to the sum
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;  // 2^n, n in [-126, 0]
+  float two_to_n;
+  std::memcpy(&two_to_n, &bits, sizeof two_to_n);
+  return p * two_to_n;
 }
 
 // What the caches hold: float32 (no scales), or codes with one scale per KV head.
@@ -68,29 +148,74 @@ struct Scales {
   const float* v;
 };
 
-// Row r's scores against keys [lo, hi) of the block: D multiply-adds across contiguous keys of
-// kt (vectorised across keys, no horizontal sum per key), then the online-softmax update. Leaves
-// exp(score - m) in scores[r] for the V pass.
-void score_and_rescale(TileState& st, int r, int D, int bs, int lo, int hi) {
-  float* s = st.scores + r * bs;
-  std::fill(s + lo, s + hi, 0.0f);
-  const float* q = st.qs + r * D;
+// scores[r0 .. r0 + 4, c0 .. c0 + kKeys) = qs[r] . kt[:, c]: rows r0.. of the tile against kKeys
+// key columns of the transposed block.
+void score_micro_tile(const TileState& st, int D, int r0, int c0) {
+  Vec acc[kRowGroup][2] = {};
   for (int d = 0; d < D; ++d) {
-    const float qd = q[d];
-    const float* k = st.kt + d * bs;
-#pragma omp simd
-    for (int t = lo; t < hi; ++t) s[t] += qd * k[t];
+    const float* k = st.kt + d * kKeyTile + c0;
+    const Vec k0 = load(k), k1 = load(k + kLanes);
+    for (int i = 0; i < kRowGroup; ++i) {
+      const float q = st.qs[(r0 + i) * D + d];
+      acc[i][0] += q * k0;
+      acc[i][1] += q * k1;
+    }
   }
-  const float block_max = *std::max_element(s + lo, s + hi);
+  for (int i = 0; i < kRowGroup; ++i) {
+    float* out = st.scores + (r0 + i) * kKeyTile + c0;
+    store(out, acc[i][0]);
+    store(out + kLanes, acc[i][1]);
+  }
+}
+
+// acc[r0 .. r0 + 4, d0 .. d0 + kDims) += sum over t in [t0, t1) of weight[r][t] * v[t][d]; a
+// row's weights outside the keys it reads are 0.
+void value_micro_tile(const TileState& st, int D, int r0, int d0, int t0, int t1) {
+  Vec acc[kRowGroup][2];
+  for (int i = 0; i < kRowGroup; ++i) {
+    acc[i][0] = load(st.acc + (r0 + i) * D + d0);
+    acc[i][1] = load(st.acc + (r0 + i) * D + d0 + kLanes);
+  }
+  for (int t = t0; t < t1; ++t) {
+    const Vec v0 = load(st.v_rows[t] + d0), v1 = load(st.v_rows[t] + d0 + kLanes);
+    for (int i = 0; i < kRowGroup; ++i) {
+      const float p = st.scores[(r0 + i) * kKeyTile + t];
+      acc[i][0] += p * v0;
+      acc[i][1] += p * v1;
+    }
+  }
+  for (int i = 0; i < kRowGroup; ++i) {
+    store(st.acc + (r0 + i) * D + d0, acc[i][0]);
+    store(st.acc + (r0 + i) * D + d0 + kLanes, acc[i][1]);
+  }
+}
+
+// The online-softmax step of row r for its keys [lo, hi) of the key tile (their scores in place):
+// rescale the row's state to the new maximum, and leave the weights exp(score - m) in its scores,
+// 0 for the tile's other keys [0, width).
+void softmax_step(const TileState& st, int D, int r, int width) {
+  const int t0 = 0, t1 = width;
+  float* s = st.scores + r * kKeyTile;
+  const int lo = st.key_lo[r], hi = st.key_hi[r];
+  if (lo >= hi) {  // the row reads nothing here
+    std::fill(s + t0, s + t1, 0.0f);
+    return;
+  }
+  float block_max = kNegInf;
+#pragma omp simd reduction(max : block_max)
+  for (int t = lo; t < hi; ++t) block_max = std::max(block_max, s[t]);
   const float m_new = std::max(st.m[r], block_max);
-  const float rescale = std::exp(st.m[r] - m_new);  // 0 while m is -inf
+  const float rescale = st.m[r] == kNegInf ? 0.0f : exp_nonpositive(st.m[r] - m_new);
   float* acc = st.acc + r * D;
   for (int d = 0; d < D; ++d) acc[d] *= rescale;
   float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
   for (int t = lo; t < hi; ++t) {
-    s[t] = std::exp(s[t] - m_new);
+    s[t] = exp_nonpositive(s[t] - m_new);
     sum += s[t];
   }
+  std::fill(s + t0, s + lo, 0.0f);
+  std::fill(s + hi, s + t1, 0.0f);
   st.l[r] = st.l[r] * rescale + sum;
   st.m[r] = m_new;
 }
@@ -98,24 +223,24 @@ void score_and_rescale(TileState& st, int r, int D, int bs, int lo, int hi) {
 // Request `seq`, its query rows [r0, r1), KV head `kv`: rows of the tile are (query i, group g).
 // C: the caches' element type (float, or a code type of kv_codes.h).
 template <typename C>
-void attend_tile(const PagedPrefillArgs& a, Scales scales, int seq, int r0, int r1, int kv,
-                 std::vector<float>& scratch, std::vector<int>& ranges, std::vector<const float*>& v_rows) {
+void attend_tile(const PagedPrefillArgs& a, Scales scales, int seq, int r0, int r1, int kv, Scratch& scratch) {
   const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, bs = a.block_size;
   const int queries = r1 - r0, rows = queries * G;
   const int n = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq], len = a.context_lens[seq];
   const int first_pos = len - n + (r0 - a.cu_seqlens_q[seq]);  // the causal offset of row r0
   const int64_t row_stride = int64_t(a.num_kv_heads) * D;      // one position of one block
   const float* q = static_cast<const float*>(a.q);
-  TileState st(scratch, ranges, v_rows, rows, D, bs);
+  TileState st = scratch.tile(rows, D);
+  std::fill(st.qs, st.qs + st.rows * D, 0.0f);  // padding rows: zero queries, no keys
   for (int i = 0; i < queries; ++i) {
     for (int g = 0; g < G; ++g) {
       const float* src = q + (int64_t(r0 + i) * a.num_heads + kv * G + g) * D;
       for (int d = 0; d < D; ++d) st.qs[(i * G + g) * D + d] = src[d] * a.scale;
     }
   }
-  std::fill(st.acc, st.acc + rows * D, 0.0f);
-  std::fill(st.m, st.m + rows, kNegInf);
-  std::fill(st.l, st.l + rows, 0.0f);
+  std::fill(st.acc, st.acc + st.rows * D, 0.0f);
+  std::fill(st.m, st.m + st.rows, kNegInf);
+  std::fill(st.l, st.l + st.rows, 0.0f);
 
   int lo, hi, unused;  // the keys the tile reads: from its first row's first to its last row's end
   key_range(a, seq, first_pos, &lo, &unused);
@@ -125,34 +250,48 @@ void attend_tile(const PagedPrefillArgs& a, Scales scales, int seq, int r0, int 
   const C* v_cache = static_cast<const C*>(a.v_cache);
   const float* k_scale = scales.k == nullptr ? nullptr : scales.k + kv;  // this KV head's
   const float* v_scale = scales.v == nullptr ? nullptr : scales.v + kv;
-  for (int j = lo / bs; j * bs < hi; ++j) {
-    const int t0 = std::max(0, lo - j * bs), t1 = std::min(bs, hi - j * bs);  // rows of the block in use
-    const int64_t base = int64_t(table[j]) * bs * row_stride + int64_t(kv) * D;
-    for (int t = t0; t < t1; ++t) {
-      const float* k = rows_as_float(k_cache + base + t * row_stride, k_scale, 1, D, st.row);
-      for (int d = 0; d < D; ++d) st.kt[d * bs + t] = k[d];
-    }
-    for (int i = 0; i < queries; ++i) {
-      int first, end;
-      key_range(a, seq, first_pos + i, &first, &end);
-      const int key_lo = std::max(t0, first - j * bs), key_hi = std::min(t1, end - j * bs);
-      for (int g = 0; g < G; ++g) {
-        const int r = i * G + g;
-        st.key_lo[r] = key_lo;
-        st.key_hi[r] = key_hi;
-        if (key_lo < key_hi) score_and_rescale(st, r, D, bs, key_lo, key_hi);
+  for (int c0 = lo; c0 < hi; c0 += kKeyTile) {
+    const int width = std::min(kKeyTile, hi - c0);  // keys c0 .. c0 + width of the request
+    // A tile of a few rows (a decode) scores each key row as it reads it, one dot product per row:
+    // its time is the bytes of K and V, and a transposed copy would add to them. A tile of many
+    // rows copies the keys transposed once and runs the score micro-tiles on them.
+    const bool few_rows = st.rows <= kRowGroup;
+    auto offset = [&](int p) { return (int64_t(table[p / bs]) * bs + p % bs) * row_stride + int64_t(kv) * D; };
+    for (int t = 0; t < kKeyTile; ++t) {  // K (transposed, zeros past width; or scored), V rows
+      const int p = c0 + t;
+      const int64_t at = t < width ? offset(p) : 0;
+      if (t + kPrefetch < width) {  // one KV head's rows are a page apart: no hardware prefetcher follows
+        const int64_t ahead = offset(p + kPrefetch);
+        for (int64_t byte = 0; byte < int64_t(D * sizeof(C)); byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + ahead) + byte);
+          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + ahead) + byte);
+        }
       }
+      const float* k = t < width ? rows_as_float(k_cache + at, k_scale, 1, D, st.row) : nullptr;
+      if (few_rows) {
+        for (int r = 0; r < st.rows && k != nullptr; ++r) st.scores[r * kKeyTile + t] = dot(st.qs + r * D, k, D);
+      } else {
+        for (int d = 0; d < D; ++d) st.kt[d * kKeyTile + t] = k == nullptr ? 0.0f : k[d];
+      }
+      if (t < width) st.v_rows[t] = rows_as_float(v_cache + at, v_scale, 1, D, st.vb + t * D);
     }
-    for (int t = t0; t < t1; ++t) {  // V rows in place (float32) or dequantized once for every row
-      st.v_rows[t] = rows_as_float(v_cache + base + t * row_stride, v_scale, 1, D, st.vb + t * D);
+    for (int r = 0; r < st.rows; ++r) {  // the keys of this tile each row reads
+      int first = 0, end = 0;
+      if (r < rows) key_range(a, seq, first_pos + r / G, &first, &end);
+      st.key_lo[r] = std::max(0, first - c0);
+      st.key_hi[r] = std::max(st.key_lo[r], std::min(width, end - c0));
     }
-    for (int r = 0; r < rows; ++r) {  // only the keys a row reads: a NaN in an unread slot never counts
-      float* acc = st.acc + r * D;
-      const float* p = st.scores + r * bs;
-      for (int t = st.key_lo[r]; t < st.key_hi[r]; ++t) {
-        const float* v = st.v_rows[t];
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[d] += p[t] * v[d];
+    for (int r = 0; r < st.rows && !few_rows; r += kRowGroup) {
+      for (int c = 0; c < width; c += kKeys) score_micro_tile(st, D, r, c);
+    }
+    for (int r = 0; r < st.rows; ++r) softmax_step(st, D, r, width);
+    for (int r = 0; r < st.rows; r += kRowGroup) {
+      int d = 0;
+      for (; d + kDims <= D; d += kDims) value_micro_tile(st, D, r, d, 0, width);
+      for (; d < D; ++d) {  // a head_dim that is not a multiple of kDims: the rest one by one
+        for (int i = 0; i < kRowGroup; ++i) {
+          for (int t = 0; t < width; ++t) st.acc[(r + i) * D + d] += st.scores[(r + i) * kKeyTile + t] * st.v_rows[t][d];
+        }
       }
     }
   }
@@ -187,8 +326,7 @@ extern "C" const char* l4_cpu_paged_prefill(
                            PrefillDtype::kFloat32};
   if (num_kv_heads < 1 || num_heads % num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
   using kv_codes::Fp8E4m3;
-  void (*attend)(const PagedPrefillArgs&, Scales, int, int, int, int, std::vector<float>&, std::vector<int>&,
-                 std::vector<const float*>&) =
+  void (*attend)(const PagedPrefillArgs&, Scales, int, int, int, int, Scratch&) =
       cache_format == kv_codes::kFloat32 ? attend_tile<float>
       : cache_format == kv_codes::kFp8E4m3 ? attend_tile<Fp8E4m3>
       : cache_format == kv_codes::kInt8 ? attend_tile<int8_t> : nullptr;
@@ -215,13 +353,10 @@ extern "C" const char* l4_cpu_paged_prefill(
   const int G = num_heads / num_kv_heads;
   #pragma omp parallel num_threads(std::max(1, std::min(workers, items)))
   {
-    std::vector<float> scratch(scratch_floats(kTileRows * G, head_dim, block_size));
-    std::vector<int> ranges(2 * kTileRows * G);
-    std::vector<const float*> v_rows(block_size);
+    Scratch scratch(kTileRows * G, head_dim);
     for (int item = omp_get_thread_num(); item < items; item += omp_get_num_threads()) {
       const int tile = item / num_kv_heads, kv = item % num_kv_heads, s = item_seq[tile];
-      attend(a, scales, s, item_row[tile], std::min(item_row[tile] + kTileRows, cu_seqlens_q[s + 1]), kv, scratch,
-             ranges, v_rows);
+      attend(a, scales, s, item_row[tile], std::min(item_row[tile] + kTileRows, cu_seqlens_q[s + 1]), kv, scratch);
     }
   }
   return nullptr;
