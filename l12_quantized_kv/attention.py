@@ -40,8 +40,8 @@ class QuantizedAttention(MixedBatchAttention):
         # BEGIN SOLUTION
         layer = self.layer_idx
         pool.set_kv(layer, meta.slot_mapping, k, v)
-        return QuantizedBlocks(pool.k_blocks[layer], pool.k_scales[layer]), QuantizedBlocks(pool.v_blocks[layer],
-                                                                                            pool.v_scales[layer])
+        k_scales, v_scales = pool.k_scales[layer], pool.v_scales[layer]
+        return QuantizedBlocks(pool.k_blocks[layer], k_scales), QuantizedBlocks(pool.v_blocks[layer], v_scales)
         # END SOLUTION
 
     def attend(self, q, k_all, v_all, meta):

@@ -8,6 +8,7 @@ A model run with L2's or L3's metadata (ForwardMeta, BlockForwardMeta) takes the
 
 from __future__ import annotations
 
+from l1_contiguous import InputError
 from l3_block_kernel import BlockTableAttention
 
 from .cascade import cascade_attention
@@ -16,6 +17,8 @@ from .varlen import paged_prefill_attention
 
 
 class PagedPrefillAttention(BlockTableAttention):
+    reads_windows = True  # L4's attention applies a sliding layer's window; L2's and L3's paths refuse one
+
     def kv_step(self, k, v, pool, meta):
         if not isinstance(meta, PagedStepMeta):
             return super().kv_step(k, v, pool, meta)
@@ -25,6 +28,9 @@ class PagedPrefillAttention(BlockTableAttention):
     def attend(self, q, k_all, v_all, meta):
         """q [T, H, D]; k_all, v_all [num_blocks, block_size, H_kv, D] -> [T, H, D]."""
         if not isinstance(meta, PagedStepMeta):
+            if self.window is not None:
+                raise InputError(f"layer {self.layer_idx} is a sliding layer (window {self.window}), which only "
+                                 "L4's metadata (build_paged_meta) reads; run it with L4's runner or an engine")
             return super().attend(q, k_all, v_all, meta)
         # The tables come from the allocator's own blocks: no per-layer value check (a GPU sync).
         args = (q, k_all, v_all, meta.cu_seqlens_q, meta.context_lens, meta.block_tables)

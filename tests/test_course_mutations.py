@@ -281,15 +281,6 @@ MUTATIONS = [
         ("tests/test_l3_model.py",), slow=True,
     ),
     Mutation(
-        "L5 MixedBatchAttention puts the prefill rows before the decode rows",
-        "l5_eviction/mixed.py",
-        "        out = torch.cat([self._attend_part(q[:d], k[:d], v[:d], pool, meta.decode),\n"
-        "                         self._attend_part(q[d:], k[d:], v[d:], pool, meta.prefill)])\n",
-        "        out = torch.cat([self._attend_part(q[d:], k[d:], v[d:], pool, meta.prefill),\n"
-        "                         self._attend_part(q[:d], k[:d], v[:d], pool, meta.decode)])\n",
-        ("tests/test_l5_mixed.py",), slow=True,
-    ),
-    Mutation(
         "L8 attach_computed_prefix may hit the block of the prompt's last token",
         "l8_prefix/kv_manager.py",
         "        keys = chain_keys(req.tokens[:-1], bs)  # never the last token's block: it must be computed\n",
@@ -593,18 +584,73 @@ MUTATIONS = [
         ("tests/test_l3_kernel.py", "-k", "padding or unused"), slow=True,
     ),
     Mutation(
-        "L5 MixedBatchAttention gives the prefill rows the decode metadata",
-        "l5_eviction/mixed.py",
-        "self._attend_part(q[d:], k[d:], v[d:], pool, meta.prefill)",
-        "self._attend_part(q[d:], k[d:], v[d:], pool, meta.decode)",
-        ("tests/test_l5_mixed.py",), slow=True,
+        "L4 query_positions counts a row's index from the start of the batch",
+        "l4_paged_prefill/varlen.py",
+        "    index_in_request = torch.arange(int(cu[-1]), device=cu.device) - cu[:-1][request]\n",
+        "    index_in_request = torch.arange(int(cu[-1]), device=cu.device)\n",
+        ("tests/test_l4_attention.py", "-k", "query_positions or reference"),
     ),
     Mutation(
-        "L5 MixedBatchAttention leaves out the output projection",
-        "l5_eviction/mixed.py",
-        "        return self.o_proj(out.flatten(1))\n",
-        "        return out.flatten(1)\n",
-        ("tests/test_l5_mixed.py",), slow=True,
+        "L4 query_positions puts a request's rows after its context length",
+        "l4_paged_prefill/varlen.py",
+        "    first_position = context_lens.long() - query_lens  # of each request's first new row\n",
+        "    first_position = context_lens.long()  # of each request's first new row\n",
+        ("tests/test_l4_attention.py", "-k", "query_positions or reference"), slow=True,
+    ),
+    Mutation(
+        "L4 merge_states by the textbook formula (both sides without a key give NaN)",
+        "l4_paged_prefill/varlen.py",
+        "    shift = torch.where(seen, torch.maximum(lse_a, lse_b), 0.0)  # the larger: exp never overflows\n"
+        "    weight_a, weight_b = torch.exp(lse_a - shift), torch.exp(lse_b - shift)  # a side with no key: 0\n"
+        "    total = torch.where(seen, weight_a + weight_b, 1.0)\n"
+        "    lse = torch.where(seen, shift + torch.log(total), float(\"-inf\"))\n",
+        "    shift = torch.maximum(lse_a, lse_b)\n"
+        "    weight_a, weight_b = torch.exp(lse_a - shift), torch.exp(lse_b - shift)\n"
+        "    total = weight_a + weight_b\n"
+        "    lse = shift + torch.log(total)\n",
+        ("tests/test_l4_attention.py", "-k", "two_sides or window"),
+    ),
+    Mutation(
+        "L4 merge_states multiplies a side that saw no key by its weight 0",
+        "l4_paged_prefill/varlen.py",
+        "        return torch.where(weight[..., None] > 0, out.to(dtype) * (weight / total)[..., None], 0.0)\n",
+        "        return out.to(dtype) * (weight / total)[..., None]\n",
+        ("tests/test_l4_attention.py", "-k", "side"), slow=True,
+    ),
+    Mutation(
+        "L4 merge_states exponentiates the log-sums unshifted",
+        "l4_paged_prefill/varlen.py",
+        "    shift = torch.where(seen, torch.maximum(lse_a, lse_b), 0.0)  # the larger: exp never overflows\n",
+        "    shift = torch.zeros_like(lse_a)\n",
+        ("tests/test_l4_attention.py", "-k", "stable"), slow=True,
+    ),
+    Mutation(
+        "L4 common_prefix_blocks shares a block some request's first row is inside",
+        "l4_paged_prefill/cascade.py",
+        "        if (count + 1) * block_size > computed or any(block != column[0] for block in column):\n",
+        "        if any(block != column[0] for block in column):\n",
+        ("tests/test_l4_attention.py", "-k", "common_prefix or one_request or some_query or cascade_equals"),
+    ),
+    Mutation(
+        "L4 common_prefix_blocks cascades a request alone",
+        "l4_paged_prefill/cascade.py",
+        "    if len(block_tables) < 2:\n        return 0\n",
+        "    if not block_tables:\n        return 0\n",
+        ("tests/test_l4_attention.py", "-k", "one_request"), slow=True,
+    ),
+    Mutation(
+        "L4 cascade_attention's prefix pass keeps the causal rule",
+        "l4_paged_prefill/cascade.py",
+        "        block_tables[:1, :num_common_blocks], max_query_len=q.shape[0], causal=False, **options)\n",
+        "        block_tables[:1, :num_common_blocks], max_query_len=q.shape[0], **options)\n",
+        ("tests/test_l4_attention.py", "-k", "cascade_equals"),
+    ),
+    Mutation(
+        "L4 cascade_attention's suffix pass reads the shared prefix again",
+        "l4_paged_prefill/cascade.py",
+        "                                               max_query_len=max_query_len, key_begin=prefix_len, **options)\n",
+        "                                               max_query_len=max_query_len, **options)\n",
+        ("tests/test_l4_attention.py", "-k", "cascade_equals"), slow=True,
     ),
     Mutation(
         "L5 drop_for_recompute keeps the request's length",
@@ -1020,13 +1066,6 @@ MUTATIONS = [
         ("tests/test_l12_engine.py", "-k", "calibration_pool"), slow=True,
     ),
     Mutation(
-        "L12 kv_step dequantizes prefill V with K's scales",
-        "l12_quantized_kv/attention.py",
-        "                    dequantize(pool.V[layer][meta.kv_indices], v_scales, v.dtype))\n",
-        "                    dequantize(pool.V[layer][meta.kv_indices], k_scales, v.dtype))\n",
-        ("tests/test_l12_engine.py", "-k", "oracle or hands"), slow=True,
-    ),
-    Mutation(
         "L12 kv_step writes nothing on a decode step",
         "l12_quantized_kv/attention.py",
         "        pool.set_kv(layer, meta.slot_mapping, k, v)\n",
@@ -1034,7 +1073,7 @@ MUTATIONS = [
         ("tests/test_l12_engine.py", "-k", "oracle or hands"), slow=True,
     ),
     Mutation(
-        "L12 kv_step hands decode V's codes with K's scales",
+        "L12 kv_step hands V's codes with K's scales",
         "l12_quantized_kv/attention.py",
         "        return QuantizedBlocks(pool.k_blocks[layer], k_scales), QuantizedBlocks(pool.v_blocks[layer], v_scales)\n",
         "        return QuantizedBlocks(pool.k_blocks[layer], k_scales), QuantizedBlocks(pool.v_blocks[layer], k_scales)\n",
@@ -1474,20 +1513,6 @@ MUTATIONS = [
     ),
     # Issue 53: L12's pitfalls that were not here yet (lessons/L12-quantized-kv.md §6), and the slow
     # kv_step that §2.5 warns about.
-    Mutation(
-        "L12 kv_step's prefill attends over the unquantized chunk",
-        "l12_quantized_kv/attention.py",
-        "        if meta.is_prefill:\n"
-        "            return (dequantize(pool.K[layer][meta.kv_indices], k_scales, k.dtype),\n"
-        "                    dequantize(pool.V[layer][meta.kv_indices], v_scales, v.dtype))\n",
-        "        if meta.is_prefill:  # the history read back, the chunk's own rows as computed\n"
-        "            k_all = dequantize(pool.K[layer][meta.kv_indices], k_scales, k.dtype)\n"
-        "            v_all = dequantize(pool.V[layer][meta.kv_indices], v_scales, v.dtype)\n"
-        "            own = torch.isin(meta.kv_indices, meta.slot_mapping)\n"
-        "            k_all[own], v_all[own] = k, v\n"
-        "            return k_all, v_all\n",
-        ("tests/test_l12_engine.py", "-k", "oracle or hands"), slow=True,
-    ),
     Mutation(
         "L12 kv_step dequantizes the whole pool for every decode step (correct ids, four times the bytes)",
         "l12_quantized_kv/attention.py",

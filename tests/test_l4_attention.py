@@ -203,9 +203,10 @@ def test_a_shared_block_that_some_query_still_lies_in_is_not_cascaded():
 
 @pytest.mark.points(4)
 @pytest.mark.parametrize("context_lens,query_lens", [
-    ([20, 13, 14], [1, 1, 1]),       # decodes behind a 12-token shared prefix
-    ([20, 17, 15], [4, 5, 3]),       # chunks right after it, one starting mid-block
+    ([20, 10, 14], [1, 1, 1]),       # decodes; b's (position 9) inside the third shared block
+    ([20, 17, 15], [4, 7, 3]),       # chunks; b's first row (10) inside the third shared block
     ([12, 13, 30, 14], [0, 1, 9, 2]),  # a request with no row in the step
+    ([20, 11, 14], [1, 3, 2]),       # b's rows (8..10) lie inside the third shared block: two are safe
 ])
 def test_cascade_equals_the_plain_path(context_lens, query_lens):
     q, k, v, cu, lens, tables = make_batch(context_lens, query_lens, 4, shared_blocks=3, fill=float("nan"))

@@ -28,6 +28,22 @@ def test_default_and_other_shapes_pass(argv, capsys):
     assert status == 0 and report["match"] is True
 
 
+@pytest.mark.skipif(host_compiler() is None, reason="the cpu backend needs g++ or clang++")
+@pytest.mark.parametrize("overrides", [
+    dict(num_attention_heads=8, num_key_value_heads=1, head_dim=64),   # GQA 8:1, head_dim 64
+    dict(num_attention_heads=6, num_key_value_heads=3, head_dim=24),   # GQA 2:1, a head_dim no kernel tile divides
+    dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=9,
+         layer_types=["sliding_attention", "full_attention"] * 2),   # a hybrid model: windows of 9
+])
+@pytest.mark.parametrize("backend,block_size,chunk", [("cpu", 4, 3), ("reference", 16, 11)])
+def test_other_shapes_through_model(make_model, overrides, backend, block_size, chunk, capsys):
+    model_dir = make_model(seed=3, **overrides)
+    argv = ["--model", str(model_dir), "--backend", backend, "--block-size", str(block_size), "--prefill-chunk",
+            str(chunk), "--prompt-ids", ",".join(map(str, range(3, 40))), "--prompt-ids", "7,8", "--max-new-tokens", "12"]
+    status, report, _ = run_script_json("l4_smoke", argv, capsys)
+    assert status == 0 and report["match"] is True
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["--backend", "kernel"], "CUDA"),
     (["--prefill-chunk", "-1"], "--prefill-chunk"),
