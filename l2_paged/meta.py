@@ -37,15 +37,10 @@ def build_meta(reqs: list[Request], num_new: list[int], device) -> tuple[torch.T
     The new tokens of r are r.tokens[r.cur_len : r.cur_len + num_new[r]]; its blocks must already
     be reserved for cur_len + num_new[r] positions.
     """
-    ids, positions, slots, kv, q_req, k_req, k_pos = [], [], [], [], [], [], []
+    ids, positions, slots = new_token_rows(reqs, num_new)
+    kv, q_req, k_req, k_pos = [], [], [], []
     for r, (req, n) in enumerate(zip(reqs, num_new)):
-        start, end = req.cur_len, req.cur_len + n
-        if len(req.slot_indices) < end:
-            raise ValueError(f"request {req.request_id} has {len(req.slot_indices)} slots reserved and "
-                             f"needs {end}; call reserve() before building its metadata")
-        ids += req.tokens[start:end]
-        positions += range(start, end)
-        slots += req.slot_indices[start:end]
+        end = req.cur_len + n
         kv += req.slot_indices[:end]
         q_req += [r] * n
         k_req += [r] * end
@@ -65,6 +60,21 @@ def build_meta(reqs: list[Request], num_new: list[int], device) -> tuple[torch.T
         is_prefill=any(n != 1 for n in num_new),
     )
     return as_tensor(ids), meta
+
+
+def new_token_rows(reqs: list[Request], num_new: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """The batch's new rows, request after request: (token ids, positions, slots). ValueError if a
+    request's blocks do not cover its new tokens yet."""
+    ids, positions, slots = [], [], []
+    for req, n in zip(reqs, num_new):
+        start, end = req.cur_len, req.cur_len + n
+        if len(req.slot_indices) < end:
+            raise ValueError(f"request {req.request_id} has {len(req.slot_indices)} slots reserved and "
+                             f"needs {end}; call reserve() before building its metadata")
+        ids += req.tokens[start:end]
+        positions += range(start, end)
+        slots += req.slot_indices[start:end]
+    return ids, positions, slots
 
 
 def ragged_causal_mask(q_pos, q_req, k_pos, k_req) -> torch.Tensor | None:

@@ -93,11 +93,15 @@ class PagedRunner:
     def step(self, reqs: list[Request], num_new: list[int]) -> None:
         """One forward, then append tokens, finish requests, record counters."""
         for req, token in zip(reqs, self.forward(reqs, num_new)):
-            req.output_ids.append(token)
-            if token in self.stop_ids or len(req.output_ids) >= req.max_new_tokens:
-                req.finished = True
-                release(req, self.alloc)
+            self.commit_token(req, token)
         self.record_stats(reqs)
+
+    def commit_token(self, req: Request, token: int) -> None:
+        """Append `token` to req; a request that hit a stop id or its length finishes and frees its blocks."""
+        req.output_ids.append(token)
+        if token in self.stop_ids or len(req.output_ids) >= req.max_new_tokens:
+            req.finished = True
+            release(req, self.alloc)
 
     def generate(self, reqs: list[Request]) -> list[Request]:
         """Prefill all prompts in one forward, then decode everyone still running, together."""

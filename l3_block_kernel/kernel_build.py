@@ -46,6 +46,7 @@ EMULATION_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-st
                    "-U_FORTIFY_SOURCE", "-Wall", "-Wno-unknown-pragmas")
 CPU_KERNEL_SOURCE = CSRC_DIR / "paged_attention_cpu.cpp"
 KV_CODES_HEADER = CSRC_DIR / "kv_codes.h"  # L12's one-byte codes on a CPU, shared with L4's CPU kernel
+OPENMP_HEADER = CSRC_DIR / "openmp_threads.h"  # shared with L4's CPU kernel too
 
 
 def _torch_runs_on_gnu_openmp() -> bool:
@@ -324,7 +325,7 @@ def _bind_cpu_kernel(library: ctypes.CDLL) -> ctypes.CDLL:
 
 CPU_KERNEL_BUILD = HostBuild(
     what="the L3 CPU kernel", backend="cpu", standard="C++17", flags=CPU_KERNEL_FLAGS,
-    sources=(CPU_KERNEL_SOURCE, KV_CODES_HEADER),
+    sources=(CPU_KERNEL_SOURCE, KV_CODES_HEADER, OPENMP_HEADER),
     inputs=("-x", "c++", str(CPU_KERNEL_SOURCE)), filename="paged_attention_cpu.so", bind=_bind_cpu_kernel,
     optional_flags=CPU_KERNEL_OPTIONAL_FLAGS)
 

@@ -270,14 +270,25 @@ def check_table_values(k_cache, block_tables, context_lens, window_starts=None) 
         s = int(bad_start[0])
         raise InputError(f"window_starts must be in [0, context_len), got {int(starts[s])} for sequence {s} "
                          f"(context_len {int(lens[s])})")
+    check_block_ids(block_tables, lens, starts, num_blocks, block_size)
+
+
+def check_block_ids(block_tables, lens, first_positions, num_blocks: int, block_size: int,
+                    reads=None, what: str = "sequence") -> None:
+    """InputError naming the first table entry that a row reads and that is not a block id in
+    [0, num_blocks): row s reads the columns from first_positions[s]'s block to its length's last
+    (and none where reads[s] is False). L4's checks use it too (`what`: "request")."""
     columns = torch.arange(block_tables.shape[1], device=lens.device)
     # [num_seqs, max_blocks]
-    used = (columns[None, :] < -(-lens[:, None] // block_size)) & (columns[None, :] >= starts[:, None] // block_size)
+    used = ((columns[None, :] < -(-lens[:, None] // block_size))
+            & (columns[None, :] >= first_positions[:, None] // block_size))
+    if reads is not None:
+        used = used & reads[:, None]
     bad_id = (used & ((block_tables < 0) | (block_tables >= num_blocks))).nonzero()
     if len(bad_id):
         s, j = (int(i) for i in bad_id[0])
         raise InputError(f"block_tables[{s}, {j}] = {int(block_tables[s, j])} is not a block id in "
-                         f"[0, {num_blocks}), but sequence {s} (context_len {int(lens[s])}) reads it")
+                         f"[0, {num_blocks}), but {what} {s} (context_len {int(lens[s])}) reads it")
 
 
 def kernel_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
@@ -388,16 +399,24 @@ def _pick_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
         except InputError as exc:  # remembered: the build is not tried again
             return _fall_back(str(exc))
         return "kernel"
+    check_explicit_backend(backend, q, reason, instead="'gather' or 'reference'")
+    return backend
+
+
+def check_explicit_backend(backend: str, q: torch.Tensor, reason: str | None, instead: str) -> None:
+    """The rules a backend asked for by name obeys (L4's dispatcher applies them too): the kernel
+    needs CUDA, the emulation and the C++ CPU kernel the CPU, the CPU kernel float32, and the
+    kernel and its emulation shapes they support (`reason`: why not, or None). `instead`: the
+    PyTorch backends to suggest."""
     if backend == "kernel" and not q.is_cuda:
         raise InputError(f"backend='kernel' needs CUDA tensors, got {q.device}; use backend='emulated' "
-                         "(the kernel's code on the CPU) or 'reference'")
+                         f"(the kernel's code on the CPU) or {instead}")
     if backend in ("emulated", "cpu") and q.device.type != "cpu":
         raise InputError(f"backend={backend!r} runs on the CPU, got tensors on {q.device}; use backend='kernel'")
     if backend == "cpu" and q.dtype != torch.float32:
-        raise InputError(f"backend='cpu' runs float32, got {q.dtype}; use backend='gather' or 'reference'")
+        raise InputError(f"backend='cpu' runs float32, got {q.dtype}; use backend={instead}")
     if backend in ("kernel", "emulated") and reason is not None:
         raise InputError(f"backend={backend!r} cannot run this call: {reason}; use backend='reference'")
-    return backend
 
 
 def expect_tensor(ok: bool, what: str, tensor: torch.Tensor) -> None:

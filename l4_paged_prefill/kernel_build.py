@@ -13,7 +13,7 @@ import ctypes
 from pathlib import Path
 
 from l3_block_kernel.kernel_build import (CPU_KERNEL_FLAGS, CPU_KERNEL_OPTIONAL_FLAGS, CSRC_DIR as L3_CSRC_DIR,
-                                          EMULATION_FLAGS, EMULATION_HEADER, EMULATION_SHIMS, KV_CODES_HEADER,
+                                          EMULATION_FLAGS, EMULATION_HEADER, EMULATION_SHIMS, KV_CODES_HEADER, OPENMP_HEADER,
                                           BuildOnce, HostBuild, build_cuda_extension, build_host)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
@@ -50,7 +50,7 @@ EMULATION_BUILD = HostBuild(
 
 CPU_KERNEL_BUILD = HostBuild(
     what="the L4 CPU kernel", backend="cpu", standard="C++17", flags=(*CPU_KERNEL_FLAGS, "-fopenmp-simd"),
-    sources=(CPU_KERNEL_SOURCE, HEADER, KV_CODES_HEADER),
+    sources=(CPU_KERNEL_SOURCE, HEADER, KV_CODES_HEADER, OPENMP_HEADER),
     inputs=(f"-I{CSRC_DIR}", f"-I{L3_CSRC_DIR}", "-x", "c++", str(CPU_KERNEL_SOURCE)),
     filename="paged_prefill_cpu.so", bind=_bind("l4_cpu_paged_prefill", _CPU_ARGTYPES),
     optional_flags=CPU_KERNEL_OPTIONAL_FLAGS)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from l2_paged import Request
-from l2_paged.meta import cumulative_offsets
+from l2_paged.meta import cumulative_offsets, new_token_rows
 from l3_block_kernel import build_block_tables
 
 
@@ -41,15 +41,7 @@ def build_paged_meta(reqs: list[Request], num_new: list[int], device, backend: s
                      num_common_blocks: int = 0) -> tuple[torch.Tensor, PagedStepMeta]:
     """Input ids [T] and the PagedStepMeta for `num_new[r]` new tokens of each request, which must
     have slots reserved for cur_len + num_new[r] positions."""
-    ids, positions, slots = [], [], []
-    for req, n in zip(reqs, num_new):
-        start, end = req.cur_len, req.cur_len + n
-        if len(req.slot_indices) < end:
-            raise ValueError(f"request {req.request_id} has {len(req.slot_indices)} slots reserved and "
-                             f"needs {end}; reserve its blocks before building its metadata")
-        ids += req.tokens[start:end]
-        positions += range(start, end)
-        slots += req.slot_indices[start:end]
+    ids, positions, slots = new_token_rows(reqs, num_new)
 
     def as_tensor(values, dtype=torch.int64):
         return torch.tensor(values, dtype=dtype, device=device)

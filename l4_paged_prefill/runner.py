@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from l1_contiguous import InputError
-from l2_paged import Request, load_paged_model, release
+from l2_paged import Request, load_paged_model
 from l3_block_kernel import BlockTableRunner
 
 from .attention import PagedPrefillAttention
@@ -46,14 +46,11 @@ class PagedPrefillRunner(BlockTableRunner):
         return left if self.prefill_chunk is None else min(left, self.prefill_chunk)
 
     def step(self, reqs: list[Request], num_new: list[int]) -> None:
-        """One forward; a request whose prompt is not all in yet takes no token from it."""
+        """One forward; a request whose prompt is not all in yet takes no token from it (its last
+        row's logits predict a prompt token it already has)."""
         for req, token in zip(reqs, self.forward(reqs, num_new)):
-            if req.cur_len < len(req.tokens):  # mid-prompt: this row's logits predict a prompt token
-                continue
-            req.output_ids.append(token)
-            if token in self.stop_ids or len(req.output_ids) >= req.max_new_tokens:
-                req.finished = True
-                release(req, self.alloc)
+            if req.cur_len == len(req.tokens):
+                self.commit_token(req, token)
         self.record_stats(reqs)
 
     def generate(self, reqs: list[Request]) -> list[Request]:

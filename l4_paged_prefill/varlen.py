@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from l1_contiguous.errors import InputError
-from l3_block_kernel.paged_attention import expect_tensor
+from l3_block_kernel.paged_attention import check_block_ids, check_explicit_backend, expect_tensor
 
 from .kernel_build import load_cpu_kernel, load_emulation, load_extension
 
@@ -267,15 +267,7 @@ def check_prefill_values(num_tokens: int, k_cache, cu_seqlens_q, context_lens, b
                          f"rows), {capacity}] (block_tables has {block_tables.shape[1]} columns of block_size "
                          f"{block_size})")
     first_key, _ = key_bounds(lens - query_lens if causal else lens - 1, lens, window, key_begin, causal)
-    columns = torch.arange(block_tables.shape[1])
-    used = ((columns[None, :] < -(-lens[:, None] // block_size)) & (columns[None, :] >= first_key[:, None] // block_size)
-            & (query_lens[:, None] > 0))
-    tables = block_tables.cpu()
-    bad = (used & ((tables < 0) | (tables >= num_blocks))).nonzero()
-    if len(bad):
-        r, j = (int(i) for i in bad[0])
-        raise InputError(f"block_tables[{r}, {j}] = {int(tables[r, j])} is not a block id in [0, {num_blocks}), "
-                         f"but request {r} (context_len {int(lens[r])}) reads it")
+    check_block_ids(block_tables.cpu(), lens, first_key, num_blocks, block_size, reads=query_lens > 0, what="request")
 
 
 def kernel_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
@@ -299,15 +291,7 @@ def pick_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor) -> str:
         if q.is_cuda:
             return "kernel" if reason is None else "reference"
         return "cpu" if q.dtype == torch.float32 and cpu_kernel_builds() else "reference"
-    if backend == "kernel" and not q.is_cuda:
-        raise InputError(f"backend='kernel' needs CUDA tensors, got {q.device}; use backend='emulated' "
-                         "(the kernel's code on the CPU), 'cpu' or 'reference'")
-    if backend in ("emulated", "cpu") and q.device.type != "cpu":
-        raise InputError(f"backend={backend!r} runs on the CPU, got tensors on {q.device}; use backend='kernel'")
-    if backend == "cpu" and q.dtype != torch.float32:
-        raise InputError(f"backend='cpu' runs float32, got {q.dtype}; use backend='emulated' or 'reference'")
-    if backend in ("kernel", "emulated") and reason is not None:
-        raise InputError(f"backend={backend!r} cannot run this call: {reason}; use backend='reference'")
+    check_explicit_backend(backend, q, reason, instead="'reference'")
     return backend
 
 

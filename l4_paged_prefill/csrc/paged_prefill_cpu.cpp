@@ -28,12 +28,7 @@
 #include "kv_codes.h"
 #include "paged_prefill.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#else  // built without OpenMP: the calling thread does every item
-static int omp_get_thread_num() { return 0; }
-static int omp_get_num_threads() { return 1; }
-#endif
+#include "openmp_threads.h"
 
 namespace {
 
