@@ -4,6 +4,8 @@
 Per case (every request's blocks shuffled through one pool, float32, `--threads` torch threads):
   l2_gather_us    L2's read: every request's keys gathered by kv_indices (a copy), a [T, S] mask
                   built from positions, one SDPA call (what the engines ran for prefill rows before L4)
+  before_us       what the engines ran before L4, two calls: L3's C++ decode kernel for the requests
+                  with one row, L2's read for the others (only those requests' keys gathered)
   l4_cpu_us       L4's C++ kernel: each row reads its keys in place through the block table
   l4_ref_us       L4's PyTorch reference (the oracle; a loop over block columns)
   sdpa_us         SDPA with is_causal on K/V already contiguous, one call per request: what HF runs
@@ -33,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from harness.benchmark import timed  # noqa: E402
 from l1_contiguous import attend  # noqa: E402
+from l3_block_kernel import paged_attention  # noqa: E402
 from l4_paged_prefill import cascade_attention, common_prefix_blocks, paged_prefill_attention  # noqa: E402
 
 SHAPES = {  # query heads, KV heads, head_dim
@@ -89,6 +92,26 @@ def l2_gather(q, k, v, slots, mask_parts):
     return attend(q, flat_k[slots], flat_v[slots], mask)
 
 
+def split_by_kind(case):
+    """The before-L4 engine's two calls: (decode call or None, prefill call or None), each a closure."""
+    q, k, v, cu, lens, tables = case
+    query_lens = (cu[1:] - cu[:-1]).tolist()
+    decodes = [r for r, n in enumerate(query_lens) if n == 1]
+    chunks = [r for r, n in enumerate(query_lens) if n > 1]
+    calls = []
+    if decodes:
+        rows = torch.tensor([int(cu[r]) for r in decodes])
+        dq, dt, dl = q[rows], tables[decodes].contiguous(), lens[decodes].contiguous()
+        calls.append(lambda: paged_attention(dq, k, v, dt, dl, backend="cpu", check_values=False))
+    if chunks:
+        rows = torch.cat([torch.arange(int(cu[r]), int(cu[r + 1])) for r in chunks])
+        sub_cu = torch.tensor([0, *torch.tensor([query_lens[r] for r in chunks]).cumsum(0).tolist()], dtype=torch.int32)
+        sub = (q[rows], k, v, sub_cu, lens[chunks], tables[chunks])
+        slots, mask_parts = l2_gather_inputs(sub)
+        calls.append(lambda: l2_gather(sub[0], k, v, slots, mask_parts))
+    return lambda: [call() for call in calls]
+
+
 def contiguous_sdpa(q, k_rows, v_rows, cu, lens):
     """Per request: SDPA with is_causal on its keys laid out contiguously (HF's prompt path)."""
     outs = []
@@ -127,6 +150,7 @@ def run_case(shape_name, case_name, args, rate):
     got = paged_prefill_attention(*case, backend="cpu")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     row["l2_gather_us"] = timed(lambda: l2_gather(q, k, v, slots, mask_parts), repeat=repeat).best * 1e6
+    row["before_us"] = timed(split_by_kind(case), repeat=repeat).best * 1e6
     row["l4_cpu_us"] = timed(lambda: paged_prefill_attention(*case, backend="cpu", check_values=False),
                              repeat=repeat).best * 1e6
     if q.shape[0] * int(lens.max()) <= 300_000:  # the reference's loop is slow on long contexts
@@ -164,7 +188,7 @@ def main(argv=None) -> int:
     rate = matmul_rate(args.repeat)
     print(f"float32 matrix products: {2 * rate / 1e9:.1f} GFLOP/s on {args.threads} threads")
     rows = []
-    columns = ("l2_gather_us", "l4_cpu_us", "cascade_us", "l4_ref_us", "sdpa_us", "floor_us", "gather_MB",
+    columns = ("l2_gather_us", "before_us", "l4_cpu_us", "cascade_us", "l4_ref_us", "sdpa_us", "floor_us", "gather_MB",
                "mask_entries")
     print("| shape | case | " + " | ".join(columns) + " |")
     print("| --- | --- |" + " --- |" * len(columns))

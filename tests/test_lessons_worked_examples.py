@@ -70,6 +70,36 @@ def test_l2_pool_sizing_table():
     assert_in_lesson("docs/engines.md", f"{n(blocks)} blocks of 16 ({n(blocks * 16)} token slots)")
 
 
+def test_l4_step_metadata_and_cascade():
+    """L4 §4: a (blocks [3, 8, 1], 6 cached, a chunk of 4), b ([5, 2], 6 cached, a decode), c ([4], a
+    first chunk of 2), block size 4; then three decodes behind two shared blocks."""
+    from l2_paged import Request
+    from l4_paged_prefill import build_paged_meta, common_prefix_blocks, query_positions
+
+    def holding(blocks, cached, prompt_len, output=()):
+        slots = [b * 4 + row for b in blocks for row in range(4)]
+        return Request(prompt_ids=list(range(prompt_len)), blocks=blocks, slot_indices=slots, cur_len=cached,
+                       output_ids=list(output))
+
+    reqs = [holding([3, 8, 1], 6, 10), holding([5, 2], 6, 6, output=[7]), holding([4], 0, 2)]
+    _, meta = build_paged_meta(reqs, [4, 1, 2], "cpu")
+    positions, _ = query_positions(meta.cu_seqlens_q, meta.context_lens)
+    lens, pos, slots = meta.context_lens.tolist(), positions.tolist(), meta.slot_mapping.tolist()
+    assert_in_lesson("L4-paged-prefill.md",
+                     f"| `context_lens` | {lens[0]} | {lens[1]} | {lens[2]} |",
+                     f"| positions (`query_positions`) | {', '.join(map(str, pos[:4]))} | {pos[4]} | {pos[5]}, {pos[6]} |",
+                     f"| `slot_mapping` (block · 4 + row) | {', '.join(map(str, slots[:4]))} | {slots[4]} | "
+                     f"{slots[5]}, {slots[6]} |")
+    keys = sum(lens)
+    read = sum(p + 1 for p in pos)
+    assert_in_lesson("L4-paged-prefill.md", f"listed {' + '.join(map(str, lens))} = {keys} key slots",
+                     f"a {len(pos)} × {keys} = {len(pos) * keys}-entry mask, {len(pos) * keys - read} of")
+    tables = [[7, 2, 9, 4], [7, 2, 5], [7, 2, 6, 1]]
+    assert common_prefix_blocks(tables, [14, 11, 16], [1, 1, 1], 4) == 2
+    assert common_prefix_blocks(tables, [14 - 7, 11, 16], [1, 1, 1], 4) == 1  # the first request at position 6
+    assert_in_lesson("L4-paged-prefill.md", "`common_prefix_blocks` gives 2", "the answer is 1")
+
+
 def test_l3_decode_step_metadata():
     """L3 §4: A, B, C hold 20, 5 and 13 tokens in blocks [0, 3, 4], [1], [2, 5] of 8 and decode one each."""
     from l2_paged import Request
