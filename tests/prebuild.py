@@ -15,7 +15,6 @@ import threading
 from pathlib import Path
 
 from l3_block_kernel.kernel_build import KERNEL_SOURCE, load_cpu_kernel, load_emulation
-from l4_paged_prefill import kernel_build as l4_build
 
 NVCC_CHECK = "tests/test_l3_kernel.py::test_kernel_compiles_for_the_oldest_supported_arch"
 # Files whose tests run the kernel's emulation; and every engine lesson's, which decode on the CPU kernel.
@@ -47,10 +46,13 @@ def start(nodeids: list[str]) -> None:
     builds = []
     if any(f.startswith(EMULATION_USERS) for f in files):
         builds.append(load_emulation)
+    l4_users = any(f.startswith(L4_EMULATION_USERS + CPU_KERNEL_USERS) for f in files)
+    if l4_users:  # imported only here: a copy with L1 to L3 alone never needs it
+        from l4_paged_prefill import kernel_build as l4_build
     if any(f.startswith(L4_EMULATION_USERS) for f in files):
         builds.append(l4_build.load_emulation)
-    if builds or any(f.startswith(CPU_KERNEL_USERS) for f in files):
-        builds[:0] = [l4_build.load_cpu_kernel, load_cpu_kernel]
+    if builds or l4_users:
+        builds[:0] = [l4_build.load_cpu_kernel, load_cpu_kernel] if l4_users else [load_cpu_kernel]
     if builds:
         threading.Thread(target=_build_all, args=(builds,), daemon=True, name="prebuild").start()
     # Under pytest-xdist every worker collects every test, and which one runs the check is not known
