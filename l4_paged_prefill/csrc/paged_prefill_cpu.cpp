@@ -1,19 +1,21 @@
 // Paged attention for a ragged batch of queries, written for a CPU's cores (float32).
 //
-// Inputs and rules as in paged_prefill.h. The work is cut into items of (request, tile of up to
-// kTileRows of its query rows, KV head); torch's OpenMP threads take items in turn. An item walks
-// the keys its tile reads (from its first row's first to its last row's end) kKeyTile positions
-// at a time, across block boundaries, each through the block table where it lies:
+// Inputs and rules as in paged_prefill.h. The work is cut into items that torch's OpenMP threads
+// take in turn:
 //
-//   many rows (a prefill chunk)   the key tile's K is copied transposed into scratch, and the
-//                                 scores are register micro-tiles (4 rows x 16 keys) over it;
-//                                 then each row's online-softmax step; then the value micro-tiles
-//                                 (4 rows x 16 output elements) read the V rows in place
-//   a few rows (a decode)         each K row is scored as it is read (a dot product per row): the
-//                                 time is the bytes of K and V, and a copy would only add to them
+//   a tile of several rows        (request, up to kTileRows of its query rows, one KV head): the
+//   (a prefill chunk)             tile walks the keys it reads (its first row's first to its last
+//                                 row's end) kKeyTile positions at a time, across block boundaries,
+//                                 each through the block table; copies the keys' K transposed into
+//                                 scratch and computes the scores as register micro-tiles (4 rows x
+//                                 16 keys); then each row's online-softmax step; then the value
+//                                 micro-tiles (4 rows x 16 output elements) read the V rows in place
+//   one row (a decode)            (request, that row, every head): each position's K and V rows of
+//                                 all KV heads are one contiguous read, scored as they are read (a
+//                                 dot product per query head): the time is the bytes of K and V
 //
-// Every key row is read once per tile, for all its rows (its query rows times the G query heads
-// of the KV head). A decode is a tile of one row.
+// Every key row is read once per item, for all its rows (its query rows times the G query heads of
+// a KV head). Successive positions lie a page or more apart: the kernel prefetches them itself.
 //
 // The caches may also hold L12's one-byte codes (fp8 e4m3 or int8, one scale per KV head): each
 // key and value row is then dequantized once, as it is read, for every row of the tile
@@ -87,16 +89,17 @@ struct TileState {
   const float** v_rows;
 };
 
-struct Scratch {  // one per thread, sized for the largest tile
+struct Scratch {  // one per thread, sized for the largest tile: max_rows rows, KV rows of `heads` heads
   std::vector<float> floats;
   std::vector<int> ranges;
   std::vector<const float*> v_rows;
-  Scratch(int max_rows, int D)
-      : floats(size_t(round_up(max_rows, kRowGroup)) * (2 * D + kKeyTile + 2) + 2 * size_t(D) * kKeyTile + D),
+  Scratch(int max_rows, int D, int heads)
+      : floats(size_t(round_up(max_rows, kRowGroup)) * (2 * D + kKeyTile + 2) + size_t(D) * kKeyTile +
+               size_t(kKeyTile + 1) * heads * D),
         ranges(2 * round_up(max_rows, kRowGroup)),
         v_rows(kKeyTile) {}
 
-  TileState tile(int rows, int D) {
+  TileState tile(int rows, int D, int heads = 1) {
     TileState st;
     st.rows = round_up(rows, kRowGroup);
     st.qs = floats.data();
@@ -106,7 +109,7 @@ struct Scratch {  // one per thread, sized for the largest tile
     st.l = st.m + st.rows;
     st.kt = st.l + st.rows;
     st.vb = st.kt + D * kKeyTile;
-    st.row = st.vb + kKeyTile * D;
+    st.row = st.vb + kKeyTile * D * heads;
     st.key_lo = ranges.data();
     st.key_hi = st.key_lo + st.rows;
     st.v_rows = v_rows.data();
@@ -135,6 +138,17 @@ inline float exp_nonpositive(float x) {
   float two_to_n;
   std::memcpy(&two_to_n, &bits, sizeof two_to_n);
   return p * two_to_n;
+}
+
+// Asks for the `count` elements at `at` of K and of V ahead of their use: successive positions lie
+// a page or more apart in the pool (a position's rows are H_kv * D elements, and a head's rows are
+// a position apart), and hardware prefetchers do not cross pages.
+template <typename C>
+void prefetch_rows(const C* k_cache, const C* v_cache, int64_t at, int64_t count) {
+  for (int64_t byte = 0; byte < count * int64_t(sizeof(C)); byte += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(k_cache + at) + byte);
+    __builtin_prefetch(reinterpret_cast<const char*>(v_cache + at) + byte);
+  }
 }
 
 // What the caches hold: float32 (no scales), or codes with one scale per KV head.
@@ -255,13 +269,7 @@ void attend_tile(const PagedPrefillArgs& a, Scales scales, int seq, int r0, int 
     for (int t = 0; t < kKeyTile; ++t) {  // K (transposed, zeros past width; or scored), V rows
       const int p = c0 + t;
       const int64_t at = t < width ? offset(p) : 0;
-      if (t + kPrefetch < width) {  // one KV head's rows are a page apart: no hardware prefetcher follows
-        const int64_t ahead = offset(p + kPrefetch);
-        for (int64_t byte = 0; byte < int64_t(D * sizeof(C)); byte += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(k_cache + ahead) + byte);
-          __builtin_prefetch(reinterpret_cast<const char*>(v_cache + ahead) + byte);
-        }
-      }
+      if (t + kPrefetch < width) prefetch_rows(k_cache, v_cache, offset(p + kPrefetch), D);
       const float* k = t < width ? rows_as_float(k_cache + at, k_scale, 1, D, st.row) : nullptr;
       if (few_rows) {
         for (int r = 0; r < st.rows && k != nullptr; ++r) st.scores[r * kKeyTile + t] = dot(st.qs + r * D, k, D);
@@ -302,6 +310,60 @@ void attend_tile(const PagedPrefillArgs& a, Scales scales, int seq, int r0, int 
   }
 }
 
+// One query row of request `seq` (a decode, or a chunk's lone last row) for every query head at
+// once: a position's K (and V) rows of all KV heads lie side by side in its block, so each key is
+// one contiguous read of H_kv * D elements, as in L3's decode walk, instead of H_kv reads a page
+// apart. Scores are dot products as each row is read: one row's time is the bytes of K and V.
+template <typename C>
+void attend_single_row(const PagedPrefillArgs& a, Scales scales, int seq, int row, Scratch& scratch) {
+  const int D = a.head_dim, H = a.num_heads, H_kv = a.num_kv_heads, G = H / H_kv, bs = a.block_size;
+  const int64_t row_stride = int64_t(H_kv) * D;
+  const int n = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq], len = a.context_lens[seq];
+  const int pos = len - n + (row - a.cu_seqlens_q[seq]);  // the causal offset
+  TileState st = scratch.tile(H, D, H_kv);
+  const float* q = static_cast<const float*>(a.q) + int64_t(row) * H * D;
+  for (int i = 0; i < H * D; ++i) st.qs[i] = q[i] * a.scale;
+  std::fill(st.acc, st.acc + H * D, 0.0f);
+  std::fill(st.m, st.m + H, kNegInf);
+  std::fill(st.l, st.l + H, 0.0f);
+  int lo, hi;
+  key_range(a, seq, pos, &lo, &hi);
+  const int32_t* table = a.block_tables + int64_t(seq) * a.max_blocks;
+  const C* k_cache = static_cast<const C*>(a.k_cache);
+  const C* v_cache = static_cast<const C*>(a.v_cache);
+  auto offset = [&](int p) { return (int64_t(table[p / bs]) * bs + p % bs) * row_stride; };
+  for (int c0 = lo; c0 < hi; c0 += kKeyTile) {
+    const int width = std::min(kKeyTile, hi - c0);
+    for (int t = 0; t < width; ++t) {
+      const int64_t at = offset(c0 + t);
+      if (c0 + t + kPrefetch < hi) prefetch_rows(k_cache, v_cache, offset(c0 + t + kPrefetch), row_stride);
+      const float* k = rows_as_float(k_cache + at, scales.k, H_kv, D, st.row);
+      for (int h = 0; h < H; ++h) st.scores[h * kKeyTile + t] = dot(st.qs + h * D, k + (h / G) * D, D);
+      st.v_rows[t] = rows_as_float(v_cache + at, scales.v, H_kv, D, st.vb + int64_t(t) * H_kv * D);
+    }
+    for (int h = 0; h < H; ++h) {
+      st.key_lo[h] = 0;
+      st.key_hi[h] = width;
+      softmax_step(st, D, h, width);
+    }
+    for (int h = 0; h < H; ++h) {
+      float* acc = st.acc + h * D;
+      const float* p = st.scores + h * kKeyTile;
+      for (int t = 0; t < width; ++t) {
+        const float* v = st.v_rows[t] + (h / G) * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[d] += p[t] * v[d];
+      }
+    }
+  }
+  float* out = static_cast<float*>(a.out) + int64_t(row) * H * D;
+  for (int h = 0; h < H; ++h) {
+    const float inv = st.l[h] > 0.0f ? 1.0f / st.l[h] : 0.0f;  // a row with no key: 0
+    for (int d = 0; d < D; ++d) out[h * D + d] = st.acc[h * D + d] * inv;
+    if (a.lse != nullptr) a.lse[int64_t(row) * H + h] = st.l[h] > 0.0f ? st.m[h] + std::log(st.l[h]) : kNegInf;
+  }
+}
+
 thread_local char error_message[320];  // per calling thread: ctypes releases the GIL
 
 }  // namespace
@@ -321,10 +383,17 @@ extern "C" const char* l4_cpu_paged_prefill(
                            PrefillDtype::kFloat32};
   if (num_kv_heads < 1 || num_heads % num_kv_heads) return "num_heads must be a multiple of num_kv_heads";
   using kv_codes::Fp8E4m3;
-  void (*attend)(const PagedPrefillArgs&, Scales, int, int, int, int, Scratch&) =
-      cache_format == kv_codes::kFloat32 ? attend_tile<float>
-      : cache_format == kv_codes::kFp8E4m3 ? attend_tile<Fp8E4m3>
-      : cache_format == kv_codes::kInt8 ? attend_tile<int8_t> : nullptr;
+  using Tile = void (*)(const PagedPrefillArgs&, Scales, int, int, int, int, Scratch&);
+  using Row = void (*)(const PagedPrefillArgs&, Scales, int, int, Scratch&);
+  Tile attend = nullptr;
+  Row attend_row = nullptr;
+  if (cache_format == kv_codes::kFloat32) {
+    attend = attend_tile<float>, attend_row = attend_single_row<float>;
+  } else if (cache_format == kv_codes::kFp8E4m3) {
+    attend = attend_tile<Fp8E4m3>, attend_row = attend_single_row<Fp8E4m3>;
+  } else if (cache_format == kv_codes::kInt8) {
+    attend = attend_tile<int8_t>, attend_row = attend_single_row<int8_t>;
+  }
   if (attend == nullptr) return "cache_format must be 0 (float32), 1 (fp8 e4m3) or 2 (int8)";
   if ((cache_format != kv_codes::kFloat32) != (k_scales != nullptr && v_scales != nullptr)) {
     return "k_scales and v_scales go with an fp8 or int8 cache, and only with one";
@@ -332,26 +401,37 @@ extern "C" const char* l4_cpu_paged_prefill(
   const Scales scales{k_scales, v_scales};
   if (const char* error = check_prefill_tables(a, error_message, sizeof error_message)) return error;
 
-  // Items: every request's rows cut into tiles, times the KV heads. Small calls run on the
-  // calling thread alone: handing work to other threads costs microseconds.
-  std::vector<int> item_seq, item_row;
+  // Items: every request's rows cut into tiles; a tile of several rows makes one item per KV head,
+  // a tile of one row one item for all heads (attend_single_row). Small calls run on the calling
+  // thread alone: handing work to other threads costs microseconds.
+  struct Item {
+    int seq, row, kv;  // kv -1: one row, every head
+  };
+  std::vector<Item> items;
   int64_t work = 0;
   for (int s = 0; s < num_seqs; ++s) {
     for (int r = cu_seqlens_q[s]; r < cu_seqlens_q[s + 1]; r += kTileRows) {
-      item_seq.push_back(s);
-      item_row.push_back(r);
+      if (cu_seqlens_q[s + 1] - r == 1) {
+        items.push_back({s, r, -1});
+      } else {
+        for (int kv = 0; kv < num_kv_heads; ++kv) items.push_back({s, r, kv});
+      }
     }
     work += int64_t(cu_seqlens_q[s + 1] - cu_seqlens_q[s]) * context_lens[s] * num_heads * head_dim;
   }
-  const int items = int(item_seq.size()) * num_kv_heads;
+  const int count = int(items.size());
   const int workers = int(std::clamp<int64_t>(work / kMinWorkPerThread, 1, std::max(1, num_threads)));
   const int G = num_heads / num_kv_heads;
-  #pragma omp parallel num_threads(std::max(1, std::min(workers, items)))
+  #pragma omp parallel num_threads(std::max(1, std::min(workers, count)))
   {
-    Scratch scratch(kTileRows * G, head_dim);
-    for (int item = omp_get_thread_num(); item < items; item += omp_get_num_threads()) {
-      const int tile = item / num_kv_heads, kv = item % num_kv_heads, s = item_seq[tile];
-      attend(a, scales, s, item_row[tile], std::min(item_row[tile] + kTileRows, cu_seqlens_q[s + 1]), kv, scratch);
+    Scratch scratch(std::max(kTileRows * G, num_heads), head_dim, num_kv_heads);
+    for (int i = omp_get_thread_num(); i < count; i += omp_get_num_threads()) {
+      const Item& it = items[i];
+      if (it.kv < 0) {
+        attend_row(a, scales, it.seq, it.row, scratch);
+      } else {
+        attend(a, scales, it.seq, it.row, std::min(it.row + kTileRows, cu_seqlens_q[it.seq + 1]), it.kv, scratch);
+      }
     }
   }
   return nullptr;
