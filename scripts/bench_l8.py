@@ -88,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests of its burst (default 16)")
     p.add_argument("--repeat-0.6b", dest="repeat_06b", type=int, default=1, help="its timed rounds (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's ids")
+    p.add_argument("--cascade", choices=["auto", "off"], default="auto",
+                   help="L4's cascade attention over the shared prefix in our engine: auto (the manager's "
+                        "rule: 8 requests sharing 256 tokens) or off, to measure what it saves")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 on cpu, torch's choice on cuda); see the notes above")
     p.add_argument("--markdown", metavar="PATH", default=None,
@@ -131,6 +134,7 @@ def ours(model, num_blocks: int, args, backend: str, sharing: bool, **engine_kwa
         engine = make_prefix_engine(model, num_blocks, args.block_size, prefix_sharing=sharing, backend=backend,
                                     **engine_kwargs)
         engine.eos_ids = set()  # exactly max_new_tokens each, as HF with EOS off
+        engine.kv.cascade = args.cascade == "auto"
         step_logs.append(record_steps(engine))
         return engine
 
