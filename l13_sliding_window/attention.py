@@ -17,8 +17,6 @@ from .groups import kv_cache_groups
 
 
 class GroupedAttention(MixedBatchAttention):
-    reads_windows = True  # L4's attention applies self.window
-
     def __init__(self, cfg, layer_idx: int):
         super().__init__(cfg, layer_idx)
         self.group = next(g for g, group in enumerate(kv_cache_groups(cfg)) if layer_idx in group.layers)
