@@ -23,7 +23,7 @@ ISOLATED ?= auto
 # Every lesson package at the root (l1_contiguous/ ...): adding a lesson adds its targets.
 LESSONS := $(sort $(foreach p,$(wildcard l[0-9]*_*/__init__.py),$(firstword $(subst _, ,$(p)))))
 
-.PHONY: run test setup clients bench student-copy autograder notebooks lab serve clean \
+.PHONY: run test setup clients peer bench student-copy autograder notebooks lab serve clean \
 	$(addprefix smoke-,$(LESSONS)) $(addprefix check-,$(LESSONS))
 
 run: setup          ## every lesson's smoke script: PASS lines
@@ -107,6 +107,20 @@ bench: setup
 	$(PY) scripts/bench_l13.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l14.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_bf16.py --shape-0.6b --markdown docs/benchmarks.md
+	@if $(PY) -c "import llama_cpp" 2>/dev/null; then $(PY) scripts/bench_peer.py --markdown docs/benchmarks.md; \
+	else echo "bench_peer.py skipped: llama.cpp is not installed (make peer)"; fi
+
+# llama.cpp for bench_peer.py: llama-cpp-python built from its source release (which vendors
+# llama.cpp), installed in $(VENV); its llama.cpp tree stays in .peer/ for the GGUF converter.
+PEER_VERSION := 0.3.36
+PEER_SRC := .peer/llama_cpp_python-$(PEER_VERSION)
+peer: setup         ## llama.cpp beside the engine (bench_peer.py): about 15 minutes of building on 2 cores
+	mkdir -p .peer
+	test -d $(PEER_SRC) || { $(PY) -m pip download --no-deps --no-binary :all: -d .peer llama-cpp-python==$(PEER_VERSION) \
+		&& tar -xzf .peer/llama_cpp_python-$(PEER_VERSION).tar.gz -C .peer; }
+	ln -sfn llama_cpp_python-$(PEER_VERSION)/vendor/llama.cpp .peer/llama.cpp
+	CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+		$(PY) -m pip install ./$(PEER_SRC) "sentencepiece>=0.2"
 
 student-copy: setup  ## the repository without solutions, to hand out: student-copy/
 	$(PY) scripts/make_student_copy.py student-copy --force

@@ -1,8 +1,8 @@
 """L4's attention: every row of a step, prefill chunk or decode, reads K/V in place through the tables.
 
     kv_step   write the new rows' K/V to their slots; hand on the layer's block views (no copy)
-    attend    one call over the ragged batch (varlen.py), or the cascade (cascade.py) when the
-              step's requests share leading blocks
+    attend    one call over the ragged batch (varlen.py; planned once per step, run per layer),
+              or the cascade (cascade.py) when the step's requests share leading blocks
 A model run with L2's or L3's metadata (ForwardMeta, BlockForwardMeta) takes their paths, unchanged.
 """
 
@@ -13,7 +13,7 @@ from l3_block_kernel import BlockTableAttention
 
 from .cascade import cascade_attention
 from .meta import PagedStepMeta
-from .varlen import paged_prefill_attention
+from .varlen import PagedPrefillPlan
 
 
 class PagedPrefillAttention(BlockTableAttention):
@@ -37,5 +37,6 @@ class PagedPrefillAttention(BlockTableAttention):
         if meta.num_common_blocks and self.window is None:
             return cascade_attention(*args, meta.num_common_blocks, backend=meta.backend,
                                      max_query_len=meta.max_query_len, check_values=False)
-        return paged_prefill_attention(*args, window=self.window, backend=meta.backend,
-                                       max_query_len=meta.max_query_len, check_values=False)
+        if meta.plan is None:  # the first layer of the step: its call is checked, the others reuse it
+            meta.plan = PagedPrefillPlan(*args[3:], meta.max_query_len, meta.backend)
+        return meta.plan.run(q, k_all, v_all, window=self.window)

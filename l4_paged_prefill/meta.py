@@ -30,6 +30,7 @@ class PagedStepMeta:
     max_query_len: int  # the most rows one request brings (the CUDA grid's size, known on the host)
     backend: str = "auto"  # varlen.paged_prefill_attention's backend
     num_common_blocks: int = 0  # leading table columns every request shares: cascade (cascade.py)
+    plan: object = None  # the step's varlen.PagedPrefillPlan, made by its first layer (attention.py)
 
     @property
     def is_prefill(self) -> bool:

@@ -187,24 +187,76 @@ def run_on_host(backend, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_
                 causal, max_query_len, k_scales=None, v_scales=None):
     """Backend "cpu" or "emulated": the C++ library through ctypes, on contiguous CPU tensors
     (codes with their scales: "cpu" only)."""
-    q, cu_seqlens_q, context_lens, block_tables = (t.contiguous() for t in (q, cu_seqlens_q, context_lens,
-                                                                            block_tables))
+    cu_seqlens_q, context_lens, block_tables = (t.contiguous() for t in (cu_seqlens_q, context_lens, block_tables))
+    scales = None if k_scales is None else (k_scales.contiguous(), v_scales.contiguous())
+    run, tail = host_kernel(backend, q, k_cache, scales)
+    shared = table_arguments(q, k_cache, cu_seqlens_q, context_lens, block_tables, max_query_len, scale)
+    return call_host(run, q, k_cache, v_cache, shared, (window or 0, key_begin, int(causal), *tail))
+
+
+def host_kernel(backend, q, k_cache, scales):
+    """The C++ function for `backend` and its last arguments (threads, cache format, scale pointers)."""
+    if backend == "cpu":
+        pointers = (None, None) if scales is None else (scales[0].data_ptr(), scales[1].data_ptr())
+        return load_cpu_kernel().l4_cpu_paged_prefill, (torch.get_num_threads(), CODE_FORMATS.get(k_cache.dtype, 0),
+                                                          *pointers)
+    return load_emulation().l4_emulated_paged_prefill, (_DTYPE_CODES[q.dtype],)
+
+
+def table_arguments(q, k_cache, cu_seqlens_q, context_lens, block_tables, max_query_len, scale) -> tuple:
+    """The C++ call's arguments every layer of a step shares: the metadata's pointers and the sizes."""
+    return (cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), len(context_lens),
+            q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], block_tables.shape[1],
+            k_cache.shape[0], max_query_len, scale)
+
+
+def call_host(run, q, k_cache, v_cache, shared: tuple, tail: tuple):
+    q = q.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32)
-    if backend == "cpu":
-        pointers = (None, None) if k_scales is None else (k_scales.contiguous().data_ptr(),
-                                                          v_scales.contiguous().data_ptr())
-        run = load_cpu_kernel().l4_cpu_paged_prefill
-        last = (torch.get_num_threads(), CODE_FORMATS.get(k_cache.dtype, 0), *pointers)
-    else:
-        run, last = load_emulation().l4_emulated_paged_prefill, (_DTYPE_CODES[q.dtype],)
-    error = run(out.data_ptr(), lse.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(), len(context_lens),
-                q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], block_tables.shape[1],
-                k_cache.shape[0], max_query_len, scale, window or 0, key_begin, int(causal), *last)
+    error = run(out.data_ptr(), lse.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *shared, *tail)
     if error is not None:
         raise InputError(error.decode())
     return out, lse
+
+
+class PagedPrefillPlan:
+    """One step's attention, planned once for all its layers (FlashInfer's plan/run split).
+
+    Every layer of a step attends over the same rows, lengths and tables; only q, the layer's
+    caches and its window differ. `paged_prefill_attention` checks each input on every call, which
+    for a decode of a small model costs more than the kernel itself. `run` sends the first call
+    through it (every check) and notes what the call looked like; a later call alike (shapes,
+    dtypes, device, contiguous caches) goes straight to the host kernel with the metadata's
+    arguments laid out once. Other backends, and calls not alike, take the dispatcher each time.
+    The metadata tensors must not change while the plan is used (a step's never do).
+    """
+
+    def __init__(self, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                 max_query_len: int, backend: str = "auto"):
+        self.cu_seqlens_q, self.context_lens, self.block_tables = cu_seqlens_q, context_lens, block_tables
+        self.max_query_len, self.backend = max_query_len, backend
+        self.alike = None  # what the checked call looked like; None: no host call checked yet
+        self.run_host = self.shared = self.tail = None
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None):
+        """paged_prefill_attention(q, k_cache, v_cache, <the plan's metadata>, window=window) -> [T, H, D]."""
+        looks = (q.shape, q.dtype, q.device, k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype,
+                 k_cache.is_contiguous() and v_cache.is_contiguous())
+        if looks == self.alike:
+            return call_host(self.run_host, q, k_cache, v_cache, self.shared, (window or 0, *self.tail))[0]
+        out = paged_prefill_attention(q, k_cache, v_cache, self.cu_seqlens_q, self.context_lens, self.block_tables,
+                                      window=window, backend=self.backend, max_query_len=self.max_query_len,
+                                      check_values=False)
+        backend = pick_backend(self.backend, q, k_cache)
+        if backend in ("cpu", "emulated") and k_cache.dtype not in CODE_FORMATS:
+            self.cu_seqlens_q, self.context_lens, self.block_tables = (
+                t.contiguous() for t in (self.cu_seqlens_q, self.context_lens, self.block_tables))
+            self.run_host, host_tail = host_kernel(backend, q, k_cache, None)
+            self.shared = table_arguments(q, k_cache, self.cu_seqlens_q, self.context_lens, self.block_tables,
+                                          self.max_query_len, q.shape[-1] ** -0.5)
+            self.tail, self.alike = (0, 1, *host_tail), looks  # key_begin 0, causal
+        return out
 
 
 def check_prefill_inputs(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables) -> None:

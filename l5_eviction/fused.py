@@ -11,6 +11,7 @@ of them. The engine's model keeps L1's arithmetic and runs some of it as fewer o
     q_norm, k_norm, rotary on q, on k       ->   1 norm over q's and k's heads together (each
                                                  head its own weight), 1 rotary for both
     gate_proj, up_proj: 2 products          ->   gate_up_proj: 1 product
+    RMSNorm: 8 operations (the formula)     ->   1: torch's F.rms_norm (also the final norm)
 
 A stacked product's rows are the separate products' rows, and the norm is L1's formula, so the
 logits move by float rounding at most, far inside every HF comparison's tolerance. Measured on
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from l1_contiguous import apply_rotary
-from l1_contiguous.model import Qwen3MLP
+from l1_contiguous.model import Qwen3MLP, RMSNorm
 
 
 def stacked_linear(linears: list[nn.Linear]) -> nn.Linear:
@@ -36,6 +37,19 @@ def stacked_linear(linears: list[nn.Linear]) -> nn.Linear:
     stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     stacked.weight = nn.Parameter(weight, requires_grad=False)
     return stacked
+
+
+class TorchRMSNorm(nn.Module):
+    """L1's RMSNorm (float32 math, cast back before the weight) as torch's one operation."""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # no cast to make: the weight goes inside the one operation
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
 
 
 class FusedMLP(nn.Module):
@@ -52,7 +66,7 @@ class FusedMLP(nn.Module):
 
 
 def fused_project_qkv(attn, x, cos, sin):
-    """L1's `project_qkv` for an attention `fuse_projections` has fused: x [T, hidden] -> q [T, H, D],
+    """L1's `project_qkv` for an attention `fuse_model` has fused: x [T, hidden] -> q [T, H, D],
     k [T, H_kv, D], v [T, H_kv, D], q and k normed and rotated."""
     t, h, h_kv, d = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
     qkv = attn.qkv_proj(x)  # [T, (H + 2 H_kv) D]: q's heads, then k's, then v's
@@ -62,10 +76,15 @@ def fused_project_qkv(attn, x, cos, sin):
     return qk[:, :h], qk[:, h:], qkv[:, (h + h_kv) * d:].view(t, h_kv, d)
 
 
-def fuse_projections(model):
+def fuse_model(model):
     """Stack each layer's q/k/v and gate/up weights (q and k are then normed and rotated together,
-    `fused_project_qkv`). In place; returns the model. Run once, after the weights are loaded (the stacked weights replace them). The
-    attention must be L5's (its `project_qkv` takes the fused path once `fused` is set)."""
+    `fused_project_qkv`) and run every RMSNorm as torch's. In place; returns the model. Run once,
+    after the weights are loaded (the stacked weights replace them). The attention must be L5's
+    (its `project_qkv` takes the fused path once `fused` is set)."""
+    for module in [*model.model.layers, model.model]:
+        for name, child in list(module.named_children()):
+            if type(child) is RMSNorm:
+                setattr(module, name, TorchRMSNorm(child))
     for layer in model.model.layers:
         attn = layer.self_attn
         if not attn.fused:

@@ -25,7 +25,7 @@ from l4_paged_prefill import PagedPrefillAttention, build_paged_meta
 from l4_paged_prefill.varlen import cpu_kernel_builds
 
 from .fast_linear import use_packed_linears
-from .fused import fuse_projections, fused_project_qkv
+from .fused import fuse_model, fused_project_qkv
 
 if TYPE_CHECKING:
     from .kv_manager import KvManager
@@ -39,7 +39,7 @@ def build_step_meta(reqs: list, num_new: list[int], device, backend: str):
 class MixedBatchAttention(PagedPrefillAttention):
     """L4's attention with the engine's fused projections: the attention of every engine's model."""
 
-    fused = False  # set by fused.fuse_projections: q, k and v then come from one product
+    fused = False  # set by fused.fuse_model: q, k and v then come from one product
 
     def project_qkv(self, x, cos, sin):
         if self.fused:
@@ -57,7 +57,7 @@ def load_engine_model(model_dir: str | Path, dtype=torch.float32, device="cpu", 
     float32, the large matrix products run on oneDNN with their weights packed for few rows
     (fast_linear.py; False: `nn.Linear`, half the memory).
     """
-    model = fuse_projections(load_paged_model(model_dir, dtype, device, attention_cls=attention_cls))
+    model = fuse_model(load_paged_model(model_dir, dtype, device, attention_cls=attention_cls))
     return use_packed_linears(model) if packed_linears else model
 
 

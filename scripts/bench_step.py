@@ -21,16 +21,21 @@ after the prefill are timed:
                    mlp        every layer's MLP
                    norms      the layers' two RMSNorms and the final one
                    head       the output head on each request's last row
-                   other      the rest: reserving blocks, embedding, rotary tables, sampling,
-                              commit, the step's rollback snapshot
+                   sample     picking each request's token from its logits (greedy)
+                   commit     appending the tokens, finishing requests, freeing their blocks
+                   other      the rest: reserving blocks, embedding, rotary tables, the step's
+                              rollback snapshot, its timeline record
+  and a picture of the phases beside the floor (--plot; with --markdown docs/benchmarks.md, docs/img/step_phases.png).
 
     python scripts/bench_step.py                        # both models, 2 threads
     python scripts/bench_step.py --skip-0.6b --markdown docs/benchmarks.md
+    python scripts/bench_step.py --plot /tmp/phases.png
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -54,7 +59,8 @@ from l1_contiguous import load_config  # noqa: E402
 from l5_eviction import WorkItem, load_engine_model, make_engine  # noqa: E402
 
 PROMPT_LEN = 32
-PHASES = ["schedule", "metadata", "attention", "mlp", "norms", "head", "other"]
+PHASES = ["schedule", "metadata", "attention", "mlp", "norms", "head", "sample", "commit", "other"]
+PICTURE = Path("img") / "step_phases.png"  # with --markdown and no --plot: beside the markdown file
 COLUMNS = ["model", "requests", "step ms", "HF step ms", "HF / ours", "floor ms", "% of floor",
            *[f"{p} ms" for p in PHASES], "timed step ms"]
 
@@ -70,7 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,4,32", help="requests per step to measure, comma-separated (default 1,4,32)")
     p.add_argument("--skip-0.6b", dest="skip_06b", action="store_true", help="the embedded model only")
     p.add_argument("--markdown", metavar="PATH", default=None, help="rewrite the `bench_step` section of PATH")
+    p.add_argument("--plot", metavar="PATH", default=None,
+                   help="draw the phases beside the floor to PATH (with --markdown, by default img/step_phases.png "
+                        "beside the markdown file)")
     args = p.parse_args(argv)
+    if args.markdown and args.plot is None:
+        args.plot = str(Path(args.markdown).parent / PICTURE)
     try:
         args.batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
@@ -120,6 +131,8 @@ class PhaseTimers:
     def attach(self, engine) -> None:
         self.wrap(engine.scheduler, "schedule", "schedule")
         self.wrap(engine.runner, "build_meta", "metadata")
+        self.wrap(engine, "sample", "sample")
+        self.wrap(engine, "commit", "commit")
         model = engine.model
         for layer in model.model.layers:
             self.hook(layer.self_attn, "attention")
@@ -215,17 +228,50 @@ def reading(rows: list[dict]) -> str:
         out.append(f"{row['model']}, {row['requests']} request(s): the step takes {row['step ms'] / row['floor ms']:.1f}x "
                    f"its floor; of the timed step, attention {share['attention']:.0%}, MLP {share['mlp']:.0%}, "
                    f"norms {share['norms']:.0%}, head {share['head']:.0%}, scheduling and metadata "
-                   f"{share['schedule'] + share['metadata']:.0%}, the rest {share['other']:.0%}.")
+                   f"{share['schedule'] + share['metadata']:.0%}, sampling and commit "
+                   f"{share['sample'] + share['commit']:.0%}, the rest {share['other']:.0%}.")
     return " ".join(out)
 
 
-def markdown(rows: list[dict], command: str, load_at_start: str, threads: int) -> str:
+def draw(rows: list[dict], path: str) -> None:
+    """One panel per model: per batch size, the timed step's phases stacked, the floor and HF's step marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(len(models), 1, figsize=(8, 1.2 + 1.3 * len(rows)), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for ax, model in zip(axes[:, 0], models):
+        mine = [r for r in rows if r["model"] == model]
+        labels = [f"{r['requests']} req." for r in mine]
+        left = [0.0] * len(mine)
+        for i, phase in enumerate(PHASES):
+            widths = [r[f"{phase} ms"] for r in mine]
+            ax.barh(labels, widths, left=left, color=colors[i % len(colors)], label=phase)
+            left = [a + b for a, b in zip(left, widths)]
+        ax.scatter([r["floor ms"] for r in mine], labels, marker="|", s=400, color="black", zorder=3, label="floor")
+        ax.scatter([r["HF step ms"] for r in mine], labels, marker="x", s=60, color="red", zorder=3,
+                   label="HF's step")
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("ms per decode step")
+    axes[0, 0].legend(fontsize=7, ncol=4, loc="lower right")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(rows: list[dict], command: str, load_at_start: str, threads: int, picture: str | None) -> str:
+    """`picture`: the plot's path relative to the markdown file, or None."""
+    image = f"\n\n![a decode step's phases beside its floor and HF's step]({picture})" if picture else ""
     return (f"## Where a decode step's time goes\n\n{machine_line(threads, load_at_start)}\n\n`{command}`; "
             f"B requests of {PROMPT_LEN} random prompt tokens decode together; per phase, the mean over the "
             "decode steps of one run with timers attached (their own cost: \"timed step ms\" less \"step ms\"). "
             f"{rows[0]['machine']}.\n\n" + markdown_table(rows, COLUMNS + ["ids = HF"]) + "\n\n" + reading(rows)
             + " A small model's step is dispatch-bound: each torch operation costs microseconds whatever its size, "
-            "so far from its floor the step's time follows the number of operations, not the bytes.")
+            "so far from its floor the step's time follows the number of operations, not the bytes." + image)
 
 
 def main(argv=None) -> int:
@@ -243,7 +289,11 @@ def main(argv=None) -> int:
     print_table(rows, COLUMNS + ["ids = HF"], floatfmt=".2f")
     if args.markdown:
         command = bench_command("bench_step.py", sys.argv[1:] if argv is None else argv)
-        replace_section(args.markdown, "bench_step", markdown(rows, command, load_at_start, args.threads))
+        replace_section(args.markdown, "bench_step", markdown(
+            rows, command, load_at_start, args.threads,
+            args.plot and os.path.relpath(args.plot, Path(args.markdown).resolve().parent)))
+    if args.plot:
+        draw(rows, args.plot)
     return 0 if all(r["ids = HF"] for r in rows) else 1
 
 

@@ -143,6 +143,7 @@ def test_bench_step_splits_a_decode_step_into_phases_inside_the_timed_step(tmp_p
     assert bench.main(argv) == 0  # 0: every batch's ids equal HF's
     text = doc.read_text()
     assert "<!-- BEGIN bench_step" in text and "| model | requests | step ms |" in text
+    assert "](img/step_phases.png)" in text and (tmp_path / "img" / "step_phases.png").stat().st_size > 1000
     rows = [line for line in text.splitlines() if line.startswith(f"| {tiny_model_dir.name} |")]
     assert len(rows) == 2
     for row in rows:
