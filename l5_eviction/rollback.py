@@ -26,6 +26,7 @@ class PendingRollback:
 
 
 def snapshot(objects: list) -> list:
+    """Every step takes one (Engine.step), so it is kept cheap: a dict comprehension per object."""
     return [(obj, {k: _saved(v) for k, v in vars(obj).items() if k != SKIPPED}) for obj in objects]
 
 
@@ -43,12 +44,17 @@ class _GeneratorState:
         self.generator, self.state = generator, generator.get_state()
 
 
+_CONTAINERS = (list, dict, set, deque)
+
+
 def _saved(value):
     """A copy deep enough to undo a step: containers one level down (they hold ids, blocks, requests
     or immutable keys), a random generator's state, anything else by reference."""
-    if isinstance(value, (list, dict, set, deque)):
+    if type(value) in _CONTAINERS:  # the common case, without copy.copy's dispatch
+        return value.copy()
+    if isinstance(value, _CONTAINERS):
         return copy.copy(value)
-    if isinstance(value, torch.Generator):
+    if type(value) is torch.Generator:  # not isinstance: torch's metaclass check costs microseconds
         return _GeneratorState(value)
     return value
 

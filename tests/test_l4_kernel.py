@@ -17,6 +17,7 @@ import torch
 from l1_contiguous import InputError
 from l3_block_kernel.kernel_build import host_compiler
 from l4_paged_prefill import cascade_attention, common_prefix_blocks, paged_prefill_attention, paged_prefill_reference
+from l4_paged_prefill.varlen import PagedPrefillPlan
 from l4_paged_prefill.kernel_build import CSRC_DIR, KERNEL_SOURCE
 from test_l4_attention import make_batch
 
@@ -144,6 +145,37 @@ def test_bad_shapes_are_input_errors(change, message):
     change(case)
     with pytest.raises(InputError, match=message):
         paged_prefill_attention(*case, backend="reference")
+
+
+@pytest.mark.parametrize("backend", [*HOST_BACKENDS, "reference"])
+def test_a_plan_runs_every_layer_of_a_step_as_the_dispatcher_would(backend):
+    """Layers of one step: other caches, a window on one; each call of the plan equals the
+    dispatcher's on the same layer (and the definition), in any order of windows."""
+    q, k, v, cu, lens, tables = make_batch([70, 9, 40], [35, 9, 1], 16, head_dim=32, dtype=torch.float32, pad=-1, seed=1)
+    layers = [(k, v, None), (k.flip(0).contiguous(), v.flip(0).contiguous(), 5), (v, k, None), (k, v, 24)]
+    plan = PagedPrefillPlan(cu, lens, tables, max_query_len=35, backend=backend)
+    for scale_q, (kk, vv, window) in zip((1.0, -0.5, 2.0, 0.25), layers):
+        got = plan.run(q * scale_q, kk, vv, window=window)
+        want = paged_prefill_reference((q * scale_q).double(), kk.double(), vv.double(), cu, lens, tables,
+                                       window=window)[0]
+        torch.testing.assert_close(got.double(), want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("backend", [*HOST_BACKENDS, "reference"])
+def test_a_plan_checks_a_call_that_differs_from_the_first(backend):
+    """Only a call alike to the checked one skips the checks: another head_dim, a cache of another
+    shape or a non-contiguous one is checked again (one-line InputError), and the plan still
+    answers the alike calls after it."""
+    q, k, v, cu, lens, tables = make_batch([10, 7, 2], [4, 1, 2], 4, head_dim=32, dtype=torch.float32)
+    plan = PagedPrefillPlan(cu, lens, tables, max_query_len=4, backend=backend)
+    first = plan.run(q, k, v)
+    with pytest.raises(InputError, match="head_dim"):
+        plan.run(q, k[..., :8].contiguous(), v[..., :8].contiguous())
+    with pytest.raises(InputError, match="contiguous"):
+        plan.run(q, k.transpose(0, 1).contiguous().transpose(0, 1), v)
+    with pytest.raises(InputError, match="multiple of"):
+        plan.run(q[:, :3], k, v)
+    torch.testing.assert_close(plan.run(q, k, v), first)
 
 
 def test_backend_choice_is_checked():

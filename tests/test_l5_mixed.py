@@ -18,11 +18,13 @@ import torch
 
 from helpers import random_prompt
 from l1_contiguous import InputError
+from l1_contiguous.model import RMSNorm
 from l2_paged import BlockAllocator, Request, reserve
 from l3_block_kernel import BlockKvPool, load_block_model
 from l3_block_kernel.kernel_build import host_compiler
 from l4_paged_prefill import PagedPrefillRunner, PagedStepMeta
 from l5_eviction import KvManager, StepRunner, WorkItem, build_step_meta, engine_backend, load_engine_model, make_engine
+from l5_eviction.fused import TorchRMSNorm
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, outputs, quarter_pool
 
 mixed = importlib.import_module("l5_eviction.mixed")
@@ -128,3 +130,22 @@ def test_a_model_without_mixed_attention_is_refused(tiny_model_dir):
         make_engine(l3_model, 8, BLOCK_SIZE)
     assert "\n" not in str(info.value)
     make_engine(load_engine_model(tiny_model_dir), 8, BLOCK_SIZE).run([WorkItem([1, 2, 3], 2)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_models_norms_are_torchs_one_operation_with_l1s_numbers(model, dtype):
+    """Every RMSNorm of the engine's model (two per layer and the final one) is torch's F.rms_norm,
+    computing L1's formula: float32 math, cast back before the weight."""
+    norms = [m for m in model.modules() if isinstance(m, TorchRMSNorm)]
+    assert len(norms) == 2 * model.config.num_hidden_layers + 1
+    assert not any(type(m) is RMSNorm for layer in model.model.layers
+                   for m in (layer.input_layernorm, layer.post_attention_layernorm))
+    gen = torch.Generator().manual_seed(0)
+    for norm in norms[:2]:
+        l1 = RMSNorm(norm.weight.shape[0], norm.eps).to(dtype)
+        weight = (1 + torch.randn(norm.weight.shape, generator=gen)).to(dtype)
+        l1.weight = torch.nn.Parameter(weight)
+        x = (3 * torch.randn(5, norm.weight.shape[0], generator=gen)).to(dtype)
+        got = TorchRMSNorm(l1)(x)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, l1(x), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Each cut of a decode step's overhead, before and after, in one run.
+
+The L5 engine's decode step on the embedded model (B requests of 32 random prompt tokens decoding
+--new tokens together, as bench_step.py times it) with one change at a time put back as it was
+before, and with all of them put back; every variant runs in each round, rounds alternate, the
+best of --repeat is kept. The changes:
+
+  norms       every RMSNorm as torch's F.rms_norm (one operation) instead of L1's formula (eight)
+  plan        a step's attention checked once and run per layer (L4's PagedPrefillPlan) instead of
+              the dispatcher's checks on every layer's call
+  kv write    the pool's K/V written with index_copy_ instead of `K[slots] = k` (index_put, which
+              splits even a few rows across threads)
+  snapshot    the step's rollback snapshot telling a torch.Generator by its type, not isinstance
+              (whose check runs Python in torch's metaclass for every attribute of every object)
+  token ids   a step's new ids sliced from the prompt and the outputs, not from their concatenation
+
+    python scripts/bench_overhead.py                       # batches 1, 4, 32; 2 threads
+    python scripts/bench_overhead.py --markdown docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import sys
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_step's decode timing
+
+from harness.cli import OneLineParser, guard_startup, run_main  # noqa: E402
+
+guard_startup()
+
+import torch  # noqa: E402
+
+import bench_step  # noqa: E402
+import l4_paged_prefill.meta  # noqa: E402
+import l5_eviction.engine  # noqa: E402
+from harness.benchmark import bench_command, load_average, machine_line, markdown_table, print_table, replace_section  # noqa: E402
+from harness.smoke import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
+from l1_contiguous import load_config  # noqa: E402
+from l1_contiguous.model import RMSNorm  # noqa: E402
+from l2_paged import KvPool  # noqa: E402
+from l4_paged_prefill.varlen import PagedPrefillPlan, paged_prefill_attention  # noqa: E402
+from l5_eviction import load_engine_model  # noqa: E402
+from l5_eviction.fused import TorchRMSNorm  # noqa: E402
+from l5_eviction.rollback import SKIPPED  # noqa: E402
+
+
+# ---------------------------------------------------------------- each change, put back as it was
+
+
+@contextlib.contextmanager
+def patched(obj, name: str, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def l1_norms(model):
+    """L1's RMSNorm module in place of each TorchRMSNorm (the same weight and eps)."""
+    swapped = []
+    for module in [*model.model.layers, model.model]:
+        for name, child in list(module.named_children()):
+            if isinstance(child, TorchRMSNorm):
+                norm = RMSNorm(child.weight.shape[0], child.eps)
+                norm.weight = child.weight
+                setattr(module, name, norm)
+                swapped.append((module, name, child))
+    try:
+        yield
+    finally:
+        for module, name, child in swapped:
+            setattr(module, name, child)
+
+
+def unplanned_run(self, q, k_cache, v_cache, window=None):
+    return paged_prefill_attention(q, k_cache, v_cache, self.cu_seqlens_q, self.context_lens, self.block_tables,
+                                   window=window, backend=self.backend, max_query_len=self.max_query_len,
+                                   check_values=False)
+
+
+def index_put_set_kv(self, layer, slot_mapping, k, v):
+    self.K[layer][slot_mapping] = k
+    self.V[layer][slot_mapping] = v
+
+
+def isinstance_snapshot(objects: list) -> list:
+    def saved(value):
+        if isinstance(value, (list, dict, set, deque)):
+            return copy.copy(value)
+        if isinstance(value, torch.Generator):
+            raise AssertionError("the benchmark's engine holds no generator")
+        return value
+    return [(obj, {k: saved(v) for k, v in vars(obj).items() if k != SKIPPED}) for obj in objects]
+
+
+def concatenating_rows(reqs, num_new):
+    ids, positions, slots = [], [], []
+    for req, n in zip(reqs, num_new):
+        start, end = req.cur_len, req.cur_len + n
+        ids += req.tokens[start:end]
+        positions += range(start, end)
+        slots += req.slot_indices[start:end]
+    return ids, positions, slots
+
+
+def before(change: str, model):
+    """A context in which `change` is as it was before."""
+    return {
+        "norms": lambda: l1_norms(model),
+        "plan": lambda: patched(PagedPrefillPlan, "run", unplanned_run),
+        "kv write": lambda: patched(KvPool, "set_kv", index_put_set_kv),
+        "snapshot": lambda: patched(l5_eviction.engine, "snapshot", isinstance_snapshot),
+        "token ids": lambda: patched(l4_paged_prefill.meta, "new_token_rows", concatenating_rows),
+    }[change]()
+
+
+CHANGES = ["norms", "plan", "kv write", "snapshot", "token ids"]
+
+
+@contextlib.contextmanager
+def all_before(model):
+    with contextlib.ExitStack() as stack:
+        for change in CHANGES:
+            stack.enter_context(before(change, model))
+        yield
+
+
+# ---------------------------------------------------------------- the run
+
+
+def parse_args(argv=None):
+    p = OneLineParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: the embedded model)")
+    p.add_argument("--new", type=int, default=32, help="tokens each request decodes (default 32)")
+    p.add_argument("--repeat", type=int, default=5, help="rounds, best kept (default 5)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--batches", default="1,4,32", help="requests per step, comma-separated (default 1,4,32)")
+    p.add_argument("--markdown", metavar="PATH", default=None, help="rewrite the `bench_overhead` section of PATH")
+    args = p.parse_args(argv)
+    try:
+        args.batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches {args.batches!r}: give counts like 1,4,32")
+    if not args.batches or min(args.batches) < 1 or args.new < 2 or args.repeat < 1 or args.threads < 1:
+        p.error("--batches counts, --repeat and --threads must be at least 1, --new at least 2")
+    return args
+
+
+def measure(model, args) -> list[dict]:
+    variants = {"after (all)": contextlib.nullcontext, "before (all)": lambda: all_before(model),
+                **{f"before: {c}": (lambda c=c: before(c, model)) for c in CHANGES}}
+    cfg = model.config
+    rows = []
+    for batch in args.batches:
+        prompts = bench_step.prompts(batch, cfg.vocab_size)
+        bench_step.decode_steps(model, prompts[:1], 3)  # warm-up
+        seconds = {name: [] for name in variants}
+        ids = {}
+        for _ in range(args.repeat):
+            for name, make in variants.items():
+                with make():
+                    s, out = bench_step.decode_steps(model, prompts, args.new)
+                seconds[name].append(s)
+                ids[name] = out
+        after = min(seconds["after (all)"])
+        for name in variants:
+            best = min(seconds[name])
+            rows.append({"requests": batch, "variant": name, "step ms": 1e3 * best,
+                         "median ms": 1e3 * statistics.median(seconds[name]),
+                         "saved by the change ms": None if name == "after (all)" else 1e3 * (best - after),
+                         "same ids": ids[name] == ids["after (all)"]})
+    return rows
+
+
+COLUMNS = ["requests", "variant", "step ms", "median ms", "saved by the change ms", "same ids"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_at_start = load_average()
+    model_dir = resolve_model_dir(args.model)
+    load_config(model_dir)
+    model = load_engine_model(model_dir)
+    with torch.inference_mode():
+        rows = measure(model, args)
+    print_table(rows, COLUMNS, floatfmt=".2f")
+    if args.markdown:
+        command = bench_command("bench_overhead.py", sys.argv[1:] if argv is None else argv)
+        replace_section(args.markdown, "bench_overhead", (
+            f"## Cutting a decode step's overhead, change by change\n\n{machine_line(args.threads, load_at_start)}"
+            f"\n\n`{command}`; {model_dir.name}, B requests of {bench_step.PROMPT_LEN} random prompt tokens decoding "
+            f"{args.new} tokens together; \"before: X\" puts change X back as it was, \"before (all)\" every one "
+            "of them; best of the alternating rounds.\n\n" + markdown_table(rows, COLUMNS)))
+    return 0 if all(r["same ids"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main, "nothing was written"))
