@@ -71,9 +71,7 @@ def new_token_rows(reqs: list[Request], num_new: list[int]) -> tuple[list[int], 
         if len(req.slot_indices) < end:
             raise ValueError(f"request {req.request_id} has {len(req.slot_indices)} slots reserved and "
                              f"needs {end}; call reserve() before building its metadata")
-        # Not req.tokens[start:end]: that concatenates the whole history first, every step.
-        prompt_len = len(req.prompt_ids)
-        ids += req.prompt_ids[start:end] + req.output_ids[max(0, start - prompt_len):max(0, end - prompt_len)]
+        ids += req.tokens[start:end]
         positions += range(start, end)
         slots += req.slot_indices[start:end]
     return ids, positions, slots

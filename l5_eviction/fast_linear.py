@@ -9,9 +9,14 @@ kernel does better when W is first reordered ("packed") into the blocked layout 
 reads for blocks of 4 rows: at 2 to 32 rows the head took 0.6-0.8x the time of oneDNN on the
 plain layout and a fifth to a quarter of MKL's, and the layer products gain too
 (docs/benchmarks.md, "The floor of a step"). The packed kernel has one weak spot, 1 to 3 rows:
-one row takes the plain layout (the fastest there), two or three are padded with zero rows to four.
+one row takes F.linear on the dense weight (inside a decode step of the embedded model, 0.2-0.3 ms
+less than oneDNN's plain layout; level with it on Qwen3-0.6B's head), two or three are padded with
+zero rows to four.
 
-Only large matrices are packed (MIN_PACKED_WEIGHTS). The logits are the same sums in another
+Only large matrices are packed (MIN_PACKED_WEIGHTS). The smaller ones of a layer keep their weight
+transposed instead, [in, out] contiguous (TransposedLinear): MKL computes x @ W.T from that layout
+faster than F.linear does from W's [out, in] (on the embedded model's matrices: 0.75x at one row,
+0.45-0.8x at 32; measured with scripts/bench_overhead.py). The logits are the same sums in another
 order (differences ~1e-6, inside the tolerance every HF comparison uses). Engine-only, on a CPU
 in float32 where oneDNN is built in and the product checks out on a probe; elsewhere (CUDA,
 bf16, a torch without these ops) the model keeps its `nn.Linear`s. Packing costs one more copy
@@ -58,12 +63,32 @@ class PackedLinear(nn.Module):
         lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
         x = x.reshape(rows, x.shape[-1]).contiguous()
         if rows == 1:
-            y = onednn_product(x, self.weight.detach())
+            y = F.linear(x, self.weight)
         elif rows < PACKED_ROWS:
             y = onednn_product(F.pad(x, (0, 0, 0, PACKED_ROWS - rows)), self.packed)[:rows]
         else:
             y = onednn_product(x, self.packed)
         return y.reshape(*lead, y.shape[-1])
+
+
+class TransposedLinear(nn.Module):
+    """An `nn.Linear` without bias whose weight is stored as W.T, contiguous: [in, out].
+    `.weight` is still W ([out, in], a view), as nn.Linear's."""
+
+    def __init__(self, dense: nn.Linear):
+        super().__init__()
+        self.weight_t = nn.Parameter(dense.weight.detach().t().contiguous(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]."""
+        if x.dim() == 2:  # a step's rows, the common case: no reshape in, no view out
+            return torch.mm(x, self.weight_t)
+        y = torch.mm(x.reshape(-1, x.shape[-1]), self.weight_t)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 @functools.cache
@@ -79,16 +104,25 @@ def packing_works() -> bool:
         return False
 
 
-def can_pack(linear: nn.Linear) -> bool:
+def on_cpu_in_fp32(linear: nn.Linear) -> bool:
     w = linear.weight
-    return (w.device.type == "cpu" and w.dtype == torch.float32 and linear.bias is None
-            and w.numel() >= MIN_PACKED_WEIGHTS and packing_works())
+    return w.device.type == "cpu" and w.dtype == torch.float32 and linear.bias is None
+
+
+def can_pack(linear: nn.Linear) -> bool:
+    return on_cpu_in_fp32(linear) and linear.weight.numel() >= MIN_PACKED_WEIGHTS and packing_works()
 
 
 def use_packed_linears(model):
-    """Swap each `nn.Linear` of the model (the layers' and the head) for a PackedLinear where it applies."""
+    """Swap each `nn.Linear` of the model for a PackedLinear where it applies (the layers' and the
+    head), and each smaller one of a layer for a TransposedLinear (on a CPU in float32)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and can_pack(child):
                 setattr(module, name, PackedLinear(child))
+    for layer in model.model.layers:  # never the head: its weight may be the embedding's
+        for module in list(layer.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear) and on_cpu_in_fp32(child):
+                    setattr(module, name, TransposedLinear(child))
     return model

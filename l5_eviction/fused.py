@@ -11,7 +11,10 @@ of them. The engine's model keeps L1's arithmetic and runs some of it as fewer o
     q_norm, k_norm, rotary on q, on k       ->   1 norm over q's and k's heads together (each
                                                  head its own weight), 1 rotary for both
     gate_proj, up_proj: 2 products          ->   gate_up_proj: 1 product
-    RMSNorm: 8 operations (the formula)     ->   1: torch's F.rms_norm (also the final norm)
+    silu(gate) * up: 3 operations           ->   1 C++ call for a few rows on a CPU in float32
+    RMSNorm: 8 operations (the formula)     ->   1 call: C++ on a CPU in float32 (engine_ops.py),
+                                                 else torch's F.rms_norm (also the final norm)
+    q/k norm, rotary, split: ~15 operations ->   1 C++ call on a CPU in float32 (engine_ops.py)
 
 A stacked product's rows are the separate products' rows, and the norm is L1's formula, so the
 logits move by float rounding at most, far inside every HF comparison's tolerance. Measured on
@@ -30,6 +33,8 @@ from torch import nn
 from l1_contiguous import apply_rotary
 from l1_contiguous.model import Qwen3MLP, RMSNorm
 
+from .engine_ops import fused_qk_applies, host_op_applies, qk_norm_rope, rms_norm, silu_mul, silu_mul_applies
+
 
 def stacked_linear(linears: list[nn.Linear]) -> nn.Linear:
     """One bias-free nn.Linear computing all of `linears` at once: [..., in] -> [..., sum of outs]."""
@@ -40,13 +45,16 @@ def stacked_linear(linears: list[nn.Linear]) -> nn.Linear:
 
 
 class TorchRMSNorm(nn.Module):
-    """L1's RMSNorm (float32 math, cast back before the weight) as torch's one operation."""
+    """L1's RMSNorm (float32 math, cast back before the weight) in one call: the engine's C++ one on
+    a CPU in float32 (engine_ops.py), else torch's F.rms_norm."""
 
     def __init__(self, norm: RMSNorm):
         super().__init__()
         self.weight, self.eps = norm.weight, norm.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if host_op_applies(x) and self.weight.dtype == torch.float32:
+            return rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # no cast to make: the weight goes inside the one operation
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
@@ -61,7 +69,10 @@ class FusedMLP(nn.Module):
         self.down_proj = mlp.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [..., 2 * intermediate]
+        if gate_up.dim() == 2 and silu_mul_applies(gate_up):  # a few rows on a CPU in float32: one C++ call
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -70,9 +81,12 @@ def fused_project_qkv(attn, x, cos, sin):
     k [T, H_kv, D], v [T, H_kv, D], q and k normed and rotated."""
     t, h, h_kv, d = x.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim
     qkv = attn.qkv_proj(x)  # [T, (H + 2 H_kv) D]: q's heads, then k's, then v's
-    qk = qkv[:, :(h + h_kv) * d].view(t, h + h_kv, d)
-    qk = F.rms_norm(qk.float(), (d,), None, attn.q_norm.eps).to(x.dtype) * attn.qk_norm_weight
-    qk = apply_rotary(qk, cos, sin)  # per head and position: q's and k's heads alike
+    if fused_qk_applies(qkv, cos):  # a CPU in float32: the norm and the rotary in one C++ call
+        qk = qk_norm_rope(qkv, h + h_kv, d, attn.qk_norm_weight, attn.q_norm.eps, cos, sin)
+    else:
+        qk = qkv[:, :(h + h_kv) * d].view(t, h + h_kv, d)
+        qk = F.rms_norm(qk.float(), (d,), None, attn.q_norm.eps).to(x.dtype) * attn.qk_norm_weight
+        qk = apply_rotary(qk, cos, sin)  # per head and position: q's and k's heads alike
     return qk[:, :h], qk[:, h:], qkv[:, (h + h_kv) * d:].view(t, h_kv, d)
 
 

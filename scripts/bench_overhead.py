@@ -13,7 +13,11 @@ best of --repeat is kept. The changes:
               splits even a few rows across threads)
   snapshot    the step's rollback snapshot telling a torch.Generator by its type, not isinstance
               (whose check runs Python in torch's metaclass for every attribute of every object)
-  token ids   a step's new ids sliced from the prompt and the outputs, not from their concatenation
+  layout      the layers' smaller matrices stored transposed, [in, out] (TransposedLinear), for
+              MKL's x @ W.T, instead of nn.Linear's [out, in]
+  qk fused    q/k norm and rotary as one C++ call (engine_ops.py) instead of ~15 torch operations
+  head row    one row through the packed head: F.linear on the dense weight instead of oneDNN's
+              product on the plain layout
 
     python scripts/bench_overhead.py                       # batches 1, 4, 32; 2 threads
     python scripts/bench_overhead.py --markdown docs/benchmarks.md
@@ -36,10 +40,11 @@ from harness.cli import OneLineParser, guard_startup, run_main  # noqa: E402
 guard_startup()
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 import bench_step  # noqa: E402
-import l4_paged_prefill.meta  # noqa: E402
 import l5_eviction.engine  # noqa: E402
+import l5_eviction.fused  # noqa: E402
 from harness.benchmark import bench_command, load_average, machine_line, markdown_table, print_table, replace_section  # noqa: E402
 from harness.smoke import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
 from l1_contiguous import load_config  # noqa: E402
@@ -47,6 +52,7 @@ from l1_contiguous.model import RMSNorm  # noqa: E402
 from l2_paged import KvPool  # noqa: E402
 from l4_paged_prefill.varlen import PagedPrefillPlan, paged_prefill_attention  # noqa: E402
 from l5_eviction import load_engine_model  # noqa: E402
+from l5_eviction.fast_linear import PackedLinear, TransposedLinear, onednn_product  # noqa: E402
 from l5_eviction.fused import TorchRMSNorm  # noqa: E402
 from l5_eviction.rollback import SKIPPED  # noqa: E402
 
@@ -82,6 +88,35 @@ def l1_norms(model):
             setattr(module, name, child)
 
 
+@contextlib.contextmanager
+def linear_layout(model):
+    """nn.Linear (weight [out, in]) in place of each TransposedLinear."""
+    swapped = []
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, TransposedLinear):
+                plain = nn.Linear(child.weight_t.shape[0], child.weight_t.shape[1], bias=False)
+                plain.weight = nn.Parameter(child.weight.contiguous(), requires_grad=False)
+                setattr(module, name, plain)
+                swapped.append((module, name, child))
+    try:
+        yield
+    finally:
+        for module, name, child in swapped:
+            setattr(module, name, child)
+
+
+def onednn_head_row(self, x):
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if x2.shape[0] == 1:
+        y = onednn_product(x2, self.weight.detach())
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return PACKED_FORWARD(self, x)
+
+
+PACKED_FORWARD = PackedLinear.forward
+
+
 def unplanned_run(self, q, k_cache, v_cache, window=None):
     return paged_prefill_attention(q, k_cache, v_cache, self.cu_seqlens_q, self.context_lens, self.block_tables,
                                    window=window, backend=self.backend, max_query_len=self.max_query_len,
@@ -103,16 +138,6 @@ def isinstance_snapshot(objects: list) -> list:
     return [(obj, {k: saved(v) for k, v in vars(obj).items() if k != SKIPPED}) for obj in objects]
 
 
-def concatenating_rows(reqs, num_new):
-    ids, positions, slots = [], [], []
-    for req, n in zip(reqs, num_new):
-        start, end = req.cur_len, req.cur_len + n
-        ids += req.tokens[start:end]
-        positions += range(start, end)
-        slots += req.slot_indices[start:end]
-    return ids, positions, slots
-
-
 def before(change: str, model):
     """A context in which `change` is as it was before."""
     return {
@@ -120,11 +145,13 @@ def before(change: str, model):
         "plan": lambda: patched(PagedPrefillPlan, "run", unplanned_run),
         "kv write": lambda: patched(KvPool, "set_kv", index_put_set_kv),
         "snapshot": lambda: patched(l5_eviction.engine, "snapshot", isinstance_snapshot),
-        "token ids": lambda: patched(l4_paged_prefill.meta, "new_token_rows", concatenating_rows),
+        "layout": lambda: linear_layout(model),
+        "qk fused": lambda: patched(l5_eviction.fused, "fused_qk_applies", lambda qkv, cos: False),
+        "head row": lambda: patched(PackedLinear, "forward", onednn_head_row),
     }[change]()
 
 
-CHANGES = ["norms", "plan", "kv write", "snapshot", "token ids"]
+CHANGES = ["norms", "plan", "kv write", "snapshot", "layout", "qk fused", "head row"]
 
 
 @contextlib.contextmanager
