@@ -100,6 +100,7 @@ bench: setup
 	$(PY) -c "from harness.benchmark import write_header; write_header('docs/benchmarks.md')"
 	$(PY) scripts/bench_l5.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_step.py --markdown docs/benchmarks.md
+	$(PY) scripts/bench_overhead.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l8.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_l10.py --markdown docs/benchmarks.md
 	$(PY) scripts/bench_serve.py --markdown docs/benchmarks.md

@@ -61,6 +61,8 @@ def parse_args(argv=None):
     p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: the embedded model)")
     p.add_argument("--new", type=int, default=64, help="tokens the batch-1 request decodes (default 64)")
+    p.add_argument("--requests", type=int, default=bench_l5.WORKLOAD_SHAPE.requests,
+                   help=f"requests of the mixed workload (default {bench_l5.WORKLOAD_SHAPE.requests})")
     p.add_argument("--repeat", type=int, default=3, help="rounds, best kept (default 3)")
     p.add_argument("--threads", type=int, default=2, help="threads for every system (default 2)")
     p.add_argument("--hf-batch-tokens", type=int, default=1024,
@@ -69,7 +71,7 @@ def parse_args(argv=None):
                    help="a llama.cpp source tree, for its converter (default: .peer/llama.cpp, made by `make peer`)")
     p.add_argument("--markdown", metavar="PATH", default=None, help="rewrite the `bench_peer` section of PATH")
     args = p.parse_args(argv)
-    for name in ("new", "repeat", "threads", "hf_batch_tokens"):
+    for name in ("new", "requests", "repeat", "threads", "hf_batch_tokens"):
         if getattr(args, name) < (2 if name == "new" else 1):
             p.error(f"--{name.replace('_', '-')} must be at least {2 if name == 'new' else 1}")
     return args
@@ -147,7 +149,8 @@ def main(argv=None) -> int:
     load_at_start = load_average()
     model_dir = resolve_model_dir(args.model)
     cfg = load_config(model_dir)
-    items = bench_l5.make_workload(bench_l5.WORKLOAD_SHAPE, cfg.vocab_size, seed=0)
+    shape = bench_l5.Shape(args.requests, bench_l5.WORKLOAD_SHAPE.prompt_lens, bench_l5.WORKLOAD_SHAPE.output_lens)
+    items = bench_l5.make_workload(shape, cfg.vocab_size, seed=0)
     prompt = bench_step.prompts(1, cfg.vocab_size)[0]
     model, hf_model = load_engine_model(model_dir), hf.load_hf_model(str(model_dir))
     n_ctx = sum(len(w.prompt_ids) + w.max_new_tokens for w in items) + 64
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
         peers = Peers(model_dir, Path(args.llama_cpp), args.threads, n_ctx, Path(tmp))
         try:
             warm = items[:4]
-            serve_engine(lambda: make_engine(model, bench_l5.demand_blocks(warm, 16), 16), warm, [0.0] * 4)
+            serve_engine(lambda: make_engine(model, bench_l5.demand_blocks(warm, 16), 16), warm, [0.0] * len(warm))
             for peer in peers.peers.values():
                 peer.serve(warm)
             results = {name: [] for name in SYSTEMS}
@@ -168,13 +171,15 @@ def main(argv=None) -> int:
     print_table(rows, COLUMNS, floatfmt=".2f")
     if args.markdown:
         command = bench_command("bench_peer.py", sys.argv[1:] if argv is None else argv)
-        replace_section(args.markdown, "bench_peer", markdown(rows, command, load_at_start, args.threads, model_dir.name))
-    return 0
+        replace_section(args.markdown, "bench_peer", markdown(rows, command, load_at_start, args.threads, model_dir.name,
+                                                              len(items)))
+    engine = rows[0]
+    return 0 if engine["mixed ids = HF"] == f"{len(items)}/{len(items)}" and engine["batch-1 ids = HF"] else 1
 
 
-def markdown(rows, command, load_at_start, threads, model_name) -> str:
+def markdown(rows, command, load_at_start, threads, model_name, requests) -> str:
     return (f"## The engine beside llama.cpp\n\n{machine_line(threads, load_at_start)}\n\n`{command}`; {model_name}. "
-            "Mixed: bench_l5's 32 requests at once (prompts 8-128, 8-64 new, EOS off), generated tokens over wall "
+            f"Mixed: bench_l5's {requests} requests at once (prompts 8-128, 8-64 new, EOS off), generated tokens over wall "
             "seconds, ratio to HF's continuous batching. Batch 1: one request of 32 prompt tokens, its decode steps "
             "only, ratio to HF's `generate`. llama.cpp through llama-cpp-python "
             f"{llama_peer.PEER_VERSION}, the weights converted by its own converter, stepped like the engine "

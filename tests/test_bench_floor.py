@@ -153,3 +153,36 @@ def test_bench_step_splits_a_decode_step_into_phases_inside_the_timed_step(tmp_p
         assert all(v >= 0 for v in phases) and float(values["attention ms"]) > 0 and float(values["mlp ms"]) > 0
         assert sum(phases) <= float(values["timed step ms"]) + 0.01  # the phases lie inside the step
         assert float(values["floor ms"]) > 0 and float(values["HF step ms"]) > 0
+
+
+def test_bench_overhead_puts_each_change_back_and_every_variant_keeps_the_ids(tmp_path, tiny_model_dir):
+    bench = load_script("bench_overhead")
+    doc = tmp_path / "b.md"
+    assert bench.main(["--model", str(tiny_model_dir), "--batches", "1,3", "--new", "3", "--repeat", "1",
+                       "--markdown", str(doc)]) == 0  # 0: every variant's ids equal the engine's as it is
+    rows = [line for line in doc.read_text().splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    variants = {line.split("|")[2].strip() for line in rows}
+    assert variants == {"after (all)", "before (all)", *(f"before: {c}" for c in bench.CHANGES)}
+    assert len(rows) == 2 * len(variants)
+
+
+def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model_dir):
+    bench = load_script("bench_overhead")
+    model = load_engine_model(tiny_model_dir)
+
+    def kinds():
+        return {type(m).__name__ for m in model.modules()}
+    assert {"TorchRMSNorm", "TransposedLinear"} <= kinds()
+    with bench.before("norms", model):
+        assert "TorchRMSNorm" not in kinds() and "RMSNorm" in kinds()
+    with bench.before("layout", model):
+        assert "TransposedLinear" not in kinds()
+    assert {"TorchRMSNorm", "TransposedLinear"} <= kinds()  # and back again after
+    for change, (owner, name) in {"plan": (bench.PagedPrefillPlan, "run"), "kv write": (bench.KvPool, "set_kv"),
+                                  "snapshot": (bench.l5_eviction.engine, "snapshot"),
+                                  "qk fused": (bench.l5_eviction.fused, "fused_qk_applies"),
+                                  "head row": (bench.PackedLinear, "forward")}.items():
+        now = getattr(owner, name)
+        with bench.before(change, model):
+            assert getattr(owner, name) is not now, change
+        assert getattr(owner, name) is now

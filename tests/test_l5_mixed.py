@@ -15,15 +15,17 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers import random_prompt
-from l1_contiguous import InputError
+from l1_contiguous import InputError, RotaryEmbedding, apply_rotary
 from l1_contiguous.model import RMSNorm
 from l2_paged import BlockAllocator, Request, reserve
 from l3_block_kernel import BlockKvPool, load_block_model
 from l3_block_kernel.kernel_build import host_compiler
 from l4_paged_prefill import PagedPrefillRunner, PagedStepMeta
 from l5_eviction import KvManager, StepRunner, WorkItem, build_step_meta, engine_backend, load_engine_model, make_engine
+from l5_eviction import engine_ops
 from l5_eviction.fused import TorchRMSNorm
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, outputs, quarter_pool
 
@@ -149,3 +151,49 @@ def test_the_engine_models_norms_are_torchs_one_operation_with_l1s_numbers(model
         got = TorchRMSNorm(l1)(x)
         assert got.dtype == dtype
         torch.testing.assert_close(got, l1(x), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
+needs_ops = pytest.mark.skipif(not engine_ops.engine_ops_build(), reason="the engine's C++ operations need g++ or clang++")
+
+
+@needs_ops
+def test_the_engines_cpp_operations_compute_l1s_arithmetic():
+    """q/k norm + rotary, RMSNorm and silu * up, each against L1's PyTorch formulas, on rows that
+    are not contiguous with each other (a slice of a wider product)."""
+    gen = torch.Generator().manual_seed(3)
+    t, heads, d = 5, 6, 32
+    wide = 3 * torch.randn(t, heads * d + 40, generator=gen)  # q's and k's heads, then other columns
+    weight = 1 + torch.randn(heads, d, generator=gen)
+    cos, sin = RotaryEmbedding(d, 10000.0).cos_sin(torch.tensor([0, 3, 7, 100, 2047]), torch.float32)
+    heads_in = wide[:, :heads * d].view(t, heads, d)
+    normed = torch.stack([_with_weight(RMSNorm(d, 1e-6), weight[h])(heads_in[:, h]) for h in range(heads)], 1)
+    want = apply_rotary(normed, cos, sin)
+    got = engine_ops.qk_norm_rope(wide, heads, d, weight, 1e-6, cos, sin)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    x = 3 * torch.randn(t, 2 * 256, generator=gen)[:, :256]  # rows 512 floats apart
+    norm = _with_weight(RMSNorm(256, 1e-6), 1 + torch.randn(256, generator=gen))
+    torch.testing.assert_close(engine_ops.rms_norm(x, norm.weight, 1e-6), norm(x), rtol=1e-5, atol=1e-5)
+
+    gate_up = 4 * torch.randn(t, 2 * 96, generator=gen)
+    torch.testing.assert_close(engine_ops.silu_mul(gate_up), F.silu(gate_up[:, :96]) * gate_up[:, 96:],
+                               rtol=1e-5, atol=1e-5)
+
+
+def _with_weight(norm, weight):
+    norm.weight = torch.nn.Parameter(weight)
+    return norm
+
+
+@needs_ops
+def test_without_the_cpp_operations_the_engine_model_computes_the_same_logits(model, monkeypatch):
+    """Where they do not build (no compiler), every operation falls back to torch's, same logits."""
+    pool, alloc, reqs, num_new = half_done(model)
+    for req, n in zip(reqs, num_new):
+        reserve(req, alloc, req.cur_len + n)
+    ids, meta = build_step_meta(reqs, num_new, "cpu", "reference")
+    with torch.inference_mode():
+        fast = model(ids, pool, meta)
+        monkeypatch.setattr(engine_ops, "engine_ops_build", lambda: False)
+        slow = model(ids, pool, meta)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
