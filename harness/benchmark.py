@@ -639,8 +639,8 @@ def record_forwards(runner, log: list | None = None) -> list[list]:
         return forward(reqs, num_new)
 
     def logits_rows(reqs, meta):
-        rows = pick(reqs, meta)
-        log[-1][0] = replace(log[-1][0], logit_rows=len(rows))
+        rows = pick(reqs, meta)  # None: every row of the forward
+        log[-1][0] = replace(log[-1][0], logit_rows=log[-1][0].rows if rows is None else len(rows))
         return rows
 
     runner.forward_logits, runner.logits_rows = forward_logits, logits_rows

@@ -100,6 +100,12 @@ class StepRunner(BlockTableRunner):
     def build_meta(self, reqs, num_new):
         return self.kv.step_metadata(reqs, num_new, self.model.device, self.backend)
 
+    def logits_rows(self, reqs, meta):
+        """In a step of decodes only every row is its request's last: None, all rows, nothing to gather."""
+        if meta.max_query_len == 1:
+            return None
+        return super().logits_rows(reqs, meta)
+
 
 def check_engine_model(model) -> None:
     """Every attention layer must be the engine's (L4's read path, fused projections); say how to

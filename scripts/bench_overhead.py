@@ -18,6 +18,8 @@ best of --repeat is kept. The changes:
   qk fused    q/k norm and rotary as one C++ call (engine_ops.py) instead of ~15 torch operations
   head row    one row through the packed head: F.linear on the dense weight instead of oneDNN's
               product on the plain layout
+  all rows    a step of decodes only hands the model no row index for the head (every row is a
+              request's last) instead of gathering rows 0..B-1
 
     python scripts/bench_overhead.py                       # batches 1, 4, 32; 2 threads
     python scripts/bench_overhead.py --markdown docs/benchmarks.md
@@ -51,7 +53,8 @@ from l1_contiguous import load_config  # noqa: E402
 from l1_contiguous.model import RMSNorm  # noqa: E402
 from l2_paged import KvPool  # noqa: E402
 from l4_paged_prefill.varlen import PagedPrefillPlan, paged_prefill_attention  # noqa: E402
-from l5_eviction import load_engine_model  # noqa: E402
+from l3_block_kernel import BlockTableRunner  # noqa: E402
+from l5_eviction import StepRunner, load_engine_model  # noqa: E402
 from l5_eviction.fast_linear import PackedLinear, TransposedLinear, onednn_product  # noqa: E402
 from l5_eviction.fused import TorchRMSNorm  # noqa: E402
 from l5_eviction.rollback import SKIPPED  # noqa: E402
@@ -148,10 +151,11 @@ def before(change: str, model):
         "layout": lambda: linear_layout(model),
         "qk fused": lambda: patched(l5_eviction.fused, "fused_qk_applies", lambda qkv, cos: False),
         "head row": lambda: patched(PackedLinear, "forward", onednn_head_row),
+        "all rows": lambda: patched(StepRunner, "logits_rows", BlockTableRunner.logits_rows),
     }[change]()
 
 
-CHANGES = ["norms", "plan", "kv write", "snapshot", "layout", "qk fused", "head row"]
+CHANGES = ["norms", "plan", "kv write", "snapshot", "layout", "qk fused", "head row", "all rows"]
 
 
 @contextlib.contextmanager
@@ -209,6 +213,16 @@ def measure(model, args) -> list[dict]:
     return rows
 
 
+def reading(rows: list[dict]) -> str:
+    """Before and after, all changes together, per batch size, in this run's numbers."""
+    out = []
+    for batch in dict.fromkeys(r["requests"] for r in rows):
+        mine = {r["variant"]: r for r in rows if r["requests"] == batch}
+        after, before = mine["after (all)"]["step ms"], mine["before (all)"]["step ms"]
+        out.append(f"{batch} request(s): {before:.2f} -> {after:.2f} ms per step ({before / after:.2f}x)")
+    return "All changes together: " + "; ".join(out) + "."
+
+
 COLUMNS = ["requests", "variant", "step ms", "median ms", "saved by the change ms", "same ids"]
 
 
@@ -228,7 +242,9 @@ def main(argv=None) -> int:
             f"## Cutting a decode step's overhead, change by change\n\n{machine_line(args.threads, load_at_start)}"
             f"\n\n`{command}`; {model_dir.name}, B requests of {bench_step.PROMPT_LEN} random prompt tokens decoding "
             f"{args.new} tokens together; \"before: X\" puts change X back as it was, \"before (all)\" every one "
-            "of them; best of the alternating rounds.\n\n" + markdown_table(rows, COLUMNS)))
+            "of them; best of the alternating rounds (the medians beside them show how noisy this shared machine "
+            "is: a single change's saving is often inside that noise, the sum of them is not).\n\n"
+            + markdown_table(rows, COLUMNS) + "\n\n" + reading(rows)))
     return 0 if all(r["same ids"] for r in rows) else 1
 
 

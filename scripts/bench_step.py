@@ -256,7 +256,7 @@ def draw(rows: list[dict], path: str) -> None:
                    label="HF's step")
         ax.set_title(model, fontsize=10)
         ax.set_xlabel("ms per decode step")
-    axes[0, 0].legend(fontsize=7, ncol=4, loc="lower right")
+    axes[0, 0].legend(fontsize=7, ncol=4, loc="best")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -181,7 +181,8 @@ def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model
     for change, (owner, name) in {"plan": (bench.PagedPrefillPlan, "run"), "kv write": (bench.KvPool, "set_kv"),
                                   "snapshot": (bench.l5_eviction.engine, "snapshot"),
                                   "qk fused": (bench.l5_eviction.fused, "fused_qk_applies"),
-                                  "head row": (bench.PackedLinear, "forward")}.items():
+                                  "head row": (bench.PackedLinear, "forward"),
+                                  "all rows": (bench.StepRunner, "logits_rows")}.items():
         now = getattr(owner, name)
         with bench.before(change, model):
             assert getattr(owner, name) is not now, change
