@@ -39,6 +39,7 @@ class GroupView:
 class GroupedStepMeta:
     positions: torch.Tensor  # [T] int64, the rows' positions (RoPE reads them once for all layers)
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: request r's rows are [cu[r], cu[r + 1])
+    max_query_len: int  # the most rows one request brings (1: a step of decodes only)
     groups: list  # per group: the PagedStepMeta its layers read
 
 
@@ -51,7 +52,8 @@ def build_grouped_meta(reqs: list[HybridRequest], num_new: list[int], groups: li
         ids, meta = build_paged_meta(group_views(reqs, g, block_size), num_new, device, backend)
         per_group.append(meta)
     first = per_group[0]
-    return ids, GroupedStepMeta(positions=first.positions, cu_seqlens_q=first.cu_seqlens_q, groups=per_group)
+    return ids, GroupedStepMeta(positions=first.positions, cu_seqlens_q=first.cu_seqlens_q,
+                                max_query_len=first.max_query_len, groups=per_group)
 
 
 def group_views(reqs: list[HybridRequest], g: int, block_size: int) -> list[GroupView]:

@@ -33,7 +33,8 @@ The contract every manager keeps (the lesson text gives the reasons):
   admitted(req)              `req` was admitted with its blocks (L8 counts its hits here)
   new_schedule()             a step's plan begins (L8 forgets the keys it saw in flight)
   step_metadata(reqs, ns, device, backend) -> (input_ids [T], meta)
-                             what one forward reads: positions, slots, block tables
+                             what one forward reads: positions, slots, block tables; every meta
+                             has positions, cu_seqlens_q and max_query_len (the runner reads them)
   stateful()                 the objects a step may change (rolled back with it)
   failure_marks()            what a rollback must know about the state at a failure
   repair_after_rollback(marks)
