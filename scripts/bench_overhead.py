@@ -74,39 +74,31 @@ def patched(obj, name: str, value):
 
 
 @contextlib.contextmanager
-def l1_norms(model):
-    """L1's RMSNorm module in place of each TorchRMSNorm (the same weight and eps)."""
-    swapped = []
-    for module in [*model.model.layers, model.model]:
-        for name, child in list(module.named_children()):
-            if isinstance(child, TorchRMSNorm):
-                norm = RMSNorm(child.weight.shape[0], child.eps)
-                norm.weight = child.weight
-                setattr(module, name, norm)
-                swapped.append((module, name, child))
+def swapped_modules(model, kind: type, old_form):
+    """Each submodule of type `kind` replaced by `old_form(module)` inside the block, then put back."""
+    swapped = [(parent, name, child) for parent in list(model.modules())
+               for name, child in list(parent.named_children()) if isinstance(child, kind)]
+    for parent, name, child in swapped:
+        setattr(parent, name, old_form(child))
     try:
         yield
     finally:
-        for module, name, child in swapped:
-            setattr(module, name, child)
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
 
 
-@contextlib.contextmanager
-def linear_layout(model):
-    """nn.Linear (weight [out, in]) in place of each TransposedLinear."""
-    swapped = []
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, TransposedLinear):
-                plain = nn.Linear(child.weight_t.shape[0], child.weight_t.shape[1], bias=False)
-                plain.weight = nn.Parameter(child.weight.contiguous(), requires_grad=False)
-                setattr(module, name, plain)
-                swapped.append((module, name, child))
-    try:
-        yield
-    finally:
-        for module, name, child in swapped:
-            setattr(module, name, child)
+def l1_norm(norm: TorchRMSNorm) -> RMSNorm:
+    """L1's RMSNorm module with the same weight and eps."""
+    old = RMSNorm(norm.weight.shape[0], norm.eps)
+    old.weight = norm.weight
+    return old
+
+
+def plain_linear(linear: TransposedLinear) -> nn.Linear:
+    """nn.Linear, weight [out, in], computing the same product."""
+    old = nn.Linear(linear.weight_t.shape[0], linear.weight_t.shape[1], bias=False)
+    old.weight = nn.Parameter(linear.weight.contiguous(), requires_grad=False)
+    return old
 
 
 def onednn_head_row(self, x):
@@ -144,11 +136,11 @@ def isinstance_snapshot(objects: list) -> list:
 def before(change: str, model):
     """A context in which `change` is as it was before."""
     return {
-        "norms": lambda: l1_norms(model),
+        "norms": lambda: swapped_modules(model, TorchRMSNorm, l1_norm),
         "plan": lambda: patched(PagedPrefillPlan, "run", unplanned_run),
         "kv write": lambda: patched(KvPool, "set_kv", index_put_set_kv),
         "snapshot": lambda: patched(l5_eviction.engine, "snapshot", isinstance_snapshot),
-        "layout": lambda: linear_layout(model),
+        "layout": lambda: swapped_modules(model, TransposedLinear, plain_linear),
         "qk fused": lambda: patched(l5_eviction.fused, "fused_qk_applies", lambda qkv, cos: False),
         "head row": lambda: patched(PackedLinear, "forward", onednn_head_row),
         "all rows": lambda: patched(StepRunner, "logits_rows", BlockTableRunner.logits_rows),
