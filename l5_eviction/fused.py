@@ -14,14 +14,15 @@ of them. The engine's model keeps L1's arithmetic and runs some of it as fewer o
     silu(gate) * up: 3 operations           ->   1 C++ call for a few rows on a CPU in float32
     RMSNorm: 8 operations (the formula)     ->   1 call: C++ on a CPU in float32 (engine_ops.py),
                                                  else torch's F.rms_norm (also the final norm)
-    q/k norm, rotary, split: ~15 operations ->   1 C++ call on a CPU in float32 (engine_ops.py)
+    q/k norm and rotary: ~12 operations     ->   1 C++ call on a CPU in float32 (engine_ops.py)
 
 A stacked product's rows are the separate products' rows, and the norm is L1's formula, so the
 logits move by float rounding at most, far inside every HF comparison's tolerance. Measured on
 the embedded model (2 threads, best of alternating runs, 2026-11-28): a decode step of 1 request
 5.70 -> 5.21 ms, of 4 requests 6.49 -> 6.18 ms, of 32 requests 16.3 -> 14.9 ms. The stacked weights
 replace the separate ones (nothing is stored twice); the state dict's names change with them,
-which is why only the engine's loader fuses, after loading.
+which is why only the engine's loader fuses, after loading. The later cuts (the C++ calls, and
+the rest of the step's overhead) are measured change by change in scripts/bench_overhead.py.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def stacked_linear(linears: list[nn.Linear]) -> nn.Linear:
     return stacked
 
 
-class TorchRMSNorm(nn.Module):
-    """L1's RMSNorm (float32 math, cast back before the weight) in one call: the engine's C++ one on
-    a CPU in float32 (engine_ops.py), else torch's F.rms_norm."""
+class FusedRMSNorm(nn.Module):
+    """L1's RMSNorm (float32 math, cast back before the weight) as one call instead of eight
+    operations: the engine's C++ one on a CPU in float32 (engine_ops.py), else torch's F.rms_norm."""
 
     def __init__(self, norm: RMSNorm):
         super().__init__()
@@ -92,13 +93,13 @@ def fused_project_qkv(attn, x, cos, sin):
 
 def fuse_model(model):
     """Stack each layer's q/k/v and gate/up weights (q and k are then normed and rotated together,
-    `fused_project_qkv`) and run every RMSNorm as torch's. In place; returns the model. Run once,
+    `fused_project_qkv`) and run every RMSNorm as one call (FusedRMSNorm). In place; returns the model. Run once,
     after the weights are loaded (the stacked weights replace them). The attention must be L5's
     (its `project_qkv` takes the fused path once `fused` is set)."""
     for module in [*model.model.layers, model.model]:
         for name, child in list(module.named_children()):
             if type(child) is RMSNorm:
-                setattr(module, name, TorchRMSNorm(child))
+                setattr(module, name, FusedRMSNorm(child))
     for layer in model.model.layers:
         attn = layer.self_attn
         if not attn.fused:

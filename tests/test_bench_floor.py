@@ -172,12 +172,12 @@ def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model
 
     def kinds():
         return {type(m).__name__ for m in model.modules()}
-    assert {"TorchRMSNorm", "TransposedLinear"} <= kinds()
+    assert {"FusedRMSNorm", "TransposedLinear"} <= kinds()
     with bench.before("norms", model):
-        assert "TorchRMSNorm" not in kinds() and "RMSNorm" in kinds()
+        assert "FusedRMSNorm" not in kinds() and "RMSNorm" in kinds()
     with bench.before("layout", model):
         assert "TransposedLinear" not in kinds()
-    assert {"TorchRMSNorm", "TransposedLinear"} <= kinds()  # and back again after
+    assert {"FusedRMSNorm", "TransposedLinear"} <= kinds()  # and back again after
     for change, (owner, name) in {"plan": (bench.PagedPrefillPlan, "run"), "kv write": (bench.KvPool, "set_kv"),
                                   "snapshot": (bench.l5_eviction.engine, "snapshot"),
                                   "qk fused": (bench.l5_eviction.fused, "fused_qk_applies"),

@@ -26,7 +26,7 @@ from l3_block_kernel.kernel_build import host_compiler
 from l4_paged_prefill import PagedPrefillRunner, PagedStepMeta
 from l5_eviction import KvManager, StepRunner, WorkItem, build_step_meta, engine_backend, load_engine_model, make_engine
 from l5_eviction import engine_ops
-from l5_eviction.fused import TorchRMSNorm
+from l5_eviction.fused import FusedRMSNorm
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, outputs, quarter_pool
 
 mixed = importlib.import_module("l5_eviction.mixed")
@@ -135,10 +135,11 @@ def test_a_model_without_mixed_attention_is_refused(tiny_model_dir):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_engine_models_norms_are_torchs_one_operation_with_l1s_numbers(model, dtype):
-    """Every RMSNorm of the engine's model (two per layer and the final one) is torch's F.rms_norm,
-    computing L1's formula: float32 math, cast back before the weight."""
-    norms = [m for m in model.modules() if isinstance(m, TorchRMSNorm)]
+def test_the_engine_models_norms_are_one_call_with_l1s_numbers(model, dtype):
+    """Every RMSNorm of the engine's model (two per layer and the final one) is one call (C++ in
+    float32 where it builds, else torch's F.rms_norm) computing L1's formula: float32 math, cast
+    back before the weight."""
+    norms = [m for m in model.modules() if isinstance(m, FusedRMSNorm)]
     assert len(norms) == 2 * model.config.num_hidden_layers + 1
     assert not any(type(m) is RMSNorm for layer in model.model.layers
                    for m in (layer.input_layernorm, layer.post_attention_layernorm))
@@ -148,7 +149,7 @@ def test_the_engine_models_norms_are_torchs_one_operation_with_l1s_numbers(model
         weight = (1 + torch.randn(norm.weight.shape, generator=gen)).to(dtype)
         l1.weight = torch.nn.Parameter(weight)
         x = (3 * torch.randn(5, norm.weight.shape[0], generator=gen)).to(dtype)
-        got = TorchRMSNorm(l1)(x)
+        got = FusedRMSNorm(l1)(x)
         assert got.dtype == dtype
         torch.testing.assert_close(got, l1(x), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
 
