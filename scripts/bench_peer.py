@@ -117,8 +117,9 @@ def run_round(model, hf_model, peers: Peers, items, prompt, args, results: dict)
     outs = hf_generate(hf_model, [w.prompt_ids for w in items], max(w.max_new_tokens for w in items), batched=True)
     batched_s = time.perf_counter() - start
     step_s, hf_ids = bench_step.hf_decode_step(hf_model, [prompt], args.new)
+    # HF's decode step is a difference of two timings: a run too short to time can make it <= 0
     results[SYSTEMS[3]].append((tokens / batched_s, [o[:w.max_new_tokens] for o, w in zip(outs, items)],
-                                1 / step_s, hf_ids))
+                                1 / step_s if step_s > 0 else None, hf_ids))
     config = hf_continuous_config(16, demand, args.hf_batch_tokens, block_sharing=False)
     served = serve_hf_continuous(hf_model, items, [0.0] * len(items), config)
     results[SYSTEMS[4]].append((tokens / served.serve_s, served.ids, None, None))
@@ -138,7 +139,7 @@ def rows_of(results: dict, why_not: str | None) -> list[dict]:
         mixed, mixed_ids, alone, alone_ids = best[name]
         rows.append({"system": name, "mixed tok/s": mixed, "mixed x HF CB": mixed / cb,
                      "mixed ids = HF": f"{sum(a == b for a, b in zip(mixed_ids, hf_mixed))}/{len(hf_mixed)}",
-                     "batch-1 tok/s": alone, "batch-1 x HF": alone / one if alone else None,
+                     "batch-1 tok/s": alone, "batch-1 x HF": alone / one if alone and one else None,
                      "batch-1 ids = HF": None if alone_ids is None else alone_ids == hf_one})
     return rows
 
