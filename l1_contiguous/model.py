@@ -179,6 +179,13 @@ class Qwen3Model(nn.Module):
             Qwen3DecoderLayer(cfg, i, attention_cls) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def forward(self, input_ids, cos, sin, kv, meta) -> torch.Tensor:
+        """input_ids [T] -> hidden states [T, hidden] after the final norm (cos, sin [T, head_dim])."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv, meta)
+        return self.norm(x)
+
 
 class Qwen3ForCausalLM(nn.Module):
     """Module names match HF's, so a checkpoint's state dict loads as it is."""
@@ -208,10 +215,7 @@ class Qwen3ForCausalLM(nn.Module):
         the lm_head, the largest matmul for a small model, runs on N rows instead of T.
         """
         cos, sin = self.rotary.cos_sin(meta.positions, self.dtype)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, kv, meta)
-        x = self.model.norm(x)
+        x = self.model(input_ids, cos, sin, kv, meta)
         if logits_for is not None:
             x = x[logits_for]
         return self.lm_head(x)

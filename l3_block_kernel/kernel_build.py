@@ -94,6 +94,9 @@ class BuildOnce:
         self._lock = threading.Lock()
 
     def __call__(self):
+        result = self._result  # built: no lock (a hot path calls this once per operation)
+        if result is not None:
+            return result
         with self._lock:
             if self._error is not None:
                 raise self._error

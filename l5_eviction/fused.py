@@ -15,6 +15,8 @@ of them. The engine's model keeps L1's arithmetic and runs some of it as fewer o
     RMSNorm: 8 operations (the formula)     ->   1 call: C++ on a CPU in float32 (engine_ops.py),
                                                  else torch's F.rms_norm (also the final norm)
     q/k norm and rotary: ~12 operations     ->   1 C++ call on a CPU in float32 (engine_ops.py)
+    residual add, then the next RMSNorm     ->   1 call (FusedDecoderLayer carries the residual
+                                                 stream from layer to layer, as vLLM's layers do)
 
 A stacked product's rows are the separate products' rows, and the norm is L1's formula, so the
 logits move by float rounding at most, far inside every HF comparison's tolerance. Measured on
@@ -31,10 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from l1_contiguous import apply_rotary
-from l1_contiguous.model import Qwen3MLP, RMSNorm
+from l1_contiguous import RotaryEmbedding, apply_rotary
+from l1_contiguous.model import Qwen3DecoderLayer, Qwen3MLP, Qwen3Model, RMSNorm
+from l2_paged import KvPool
+from l4_paged_prefill import PagedPrefillAttention, PagedStepMeta
 
-from .engine_ops import fused_qk_applies, host_op_applies, qk_norm_rope, rms_norm, silu_mul, silu_mul_applies
+from .engine_ops import (add_rms_norm, add_rms_norm_applies, fused_qk_applies, host_op_applies, qk_norm_rope,
+                         qk_norm_rope_write, rms_norm, silu_mul, silu_mul_applies)
 
 
 def stacked_linear(linears: list[nn.Linear]) -> nn.Linear:
@@ -47,18 +52,69 @@ def stacked_linear(linears: list[nn.Linear]) -> nn.Linear:
 
 class FusedRMSNorm(nn.Module):
     """L1's RMSNorm (float32 math, cast back before the weight) as one call instead of eight
-    operations: the engine's C++ one on a CPU in float32 (engine_ops.py), else torch's F.rms_norm."""
+    operations: the engine's C++ one on a CPU in float32 (engine_ops.py), else torch's F.rms_norm.
+    Given the residual stream too, it first adds x to it: -> (normed, the new residual), the add
+    and the norm in one C++ call where it applies (the residual is then updated in place)."""
 
     def __init__(self, norm: RMSNorm):
         super().__init__()
         self.weight, self.eps = norm.weight, norm.eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if host_op_applies(x) and self.weight.dtype == torch.float32:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.norm(x)
+        if self.weight.dtype == torch.float32 and add_rms_norm_applies(x, residual):
+            return add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self.norm(residual), residual
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float32 and host_op_applies(x):
             return rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # no cast to make: the weight goes inside the one operation
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
+
+
+class FusedDecoderLayer(nn.Module):
+    """L1's decoder layer, its residual adds moved into the norms that follow them (vLLM's shape).
+
+    L1:      x = x + attn(norm1(x));  x = x + mlp(norm2(x))            4 calls besides attn and mlp
+    fused:   h, residual = norm1(x, residual)    # residual += x (the previous layer's MLP output)
+             h, residual = norm2(attn(h), residual)
+             return mlp(h), residual             # the add waits for the next layer's norm1
+    The first layer gets residual None (x is the embedding); the model's final norm does the last add.
+    """
+
+    def __init__(self, layer: Qwen3DecoderLayer):
+        super().__init__()
+        self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
+        self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, layer.mlp
+
+    def forward(self, x, residual, cos, sin, kv, meta):
+        """x [T, hidden]; residual [T, hidden] or None -> (the MLP's output, the residual stream)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv, meta), residual)
+        return self.mlp(h), residual
+
+
+class FusedQwen3Model(nn.Module):
+    """L1's Qwen3Model (the same submodules) running FusedDecoderLayers, the residual carried."""
+
+    def __init__(self, model: Qwen3Model):
+        super().__init__()
+        self.embed_tokens, self.norm = model.embed_tokens, model.norm
+        self.layers = nn.ModuleList(FusedDecoderLayer(layer) for layer in model.layers)
+
+    def forward(self, input_ids, cos, sin, kv, meta) -> torch.Tensor:
+        """input_ids [T] -> hidden states [T, hidden] after the final norm, as L1's."""
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        return self.norm(x, residual)[0]
 
 
 class FusedMLP(nn.Module):
@@ -91,11 +147,71 @@ def fused_project_qkv(attn, x, cos, sin):
     return qk[:, :h], qk[:, h:], qkv[:, (h + h_kv) * d:].view(t, h_kv, d)
 
 
+class RotaryTable:
+    """L1's RotaryEmbedding with its cos/sin rows computed once per position, not once per step.
+
+    L1's `cos_sin` runs seven operations per step for a handful of rows; a table row is the same
+    computation done ahead (both use RotaryEmbedding.cos_sin), so a step indexes two tables. The
+    table grows (doubling) to cover a position it has not reached, so its size follows the
+    longest sequence served, up to MAX_POSITIONS (past it, L1's computation). On a CPU only: an
+    index out of range must raise to grow the table, and on CUDA it would stop the device; there
+    the rotary is L1's.
+    """
+
+    INITIAL_POSITIONS = 1024
+    MAX_POSITIONS = 32768  # two tables of 16 MB each for Qwen3's head_dim 128 in float32
+
+    def __init__(self, rotary: RotaryEmbedding):
+        self.rotary = rotary
+        self.inv_freq = rotary.inv_freq
+        self.cos = self.sin = None  # [positions, head_dim], built on first use in the model's dtype
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> cos, sin [T, D], as L1's."""
+        if not positions.is_cpu:
+            return self.rotary.cos_sin(positions, dtype)
+        if self.cos is None or self.cos.dtype != dtype:
+            self.grow(self.INITIAL_POSITIONS, dtype)
+        try:
+            return self.cos[positions], self.sin[positions]
+        except IndexError:  # a position past the table
+            needed = int(positions.max()) + 1
+            if needed > self.MAX_POSITIONS:
+                return self.rotary.cos_sin(positions, dtype)
+            self.grow(needed, dtype)
+            return self.cos[positions], self.sin[positions]
+
+    def grow(self, positions: int, dtype: torch.dtype) -> None:
+        size = max(self.INITIAL_POSITIONS, 1 << (positions - 1).bit_length())
+        self.cos, self.sin = self.rotary.cos_sin(torch.arange(size), dtype)
+
+
+def writes_in_projection(attn, x: torch.Tensor, cos: torch.Tensor, pool, meta) -> bool:
+    """Whether `fused_project_qkv_write` may do this layer's q/k/v work and its cache write: the
+    attention's cache step is L4's own (the pool's set_kv, then its block views: a lesson that
+    changes the step keeps it), the pool's set_kv is L2's plain write into K and V (not a
+    quantizing one), and the C++ call serves the tensors (a CPU, float32, int64 slots)."""
+    return (type(attn).kv_step is PagedPrefillAttention.kv_step and type(pool).set_kv is KvPool.set_kv
+            and isinstance(meta, PagedStepMeta) and x.dim() == 2 and fused_qk_applies(x, cos)
+            and pool.K[attn.layer_idx].dtype == torch.float32 and pool.K[attn.layer_idx].is_cpu
+            and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous())
+
+
+def fused_project_qkv_write(attn, x, cos, sin, pool, meta) -> torch.Tensor:
+    """`fused_project_qkv` then the cache step's write (pool.set_kv), as one product and one C++
+    call (where `writes_in_projection`): x [T, hidden] -> q [T, H, D], normed and rotated; the rows'
+    k and v are in the pool."""
+    layer = attn.layer_idx
+    return qk_norm_rope_write(attn.qkv_proj(x), attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.qk_norm_weight,
+                              attn.q_norm.eps, cos, sin, pool.K[layer], pool.V[layer], meta.slot_mapping)
+
+
 def fuse_model(model):
     """Stack each layer's q/k/v and gate/up weights (q and k are then normed and rotated together,
-    `fused_project_qkv`) and run every RMSNorm as one call (FusedRMSNorm). In place; returns the model. Run once,
-    after the weights are loaded (the stacked weights replace them). The attention must be L5's
-    (its `project_qkv` takes the fused path once `fused` is set)."""
+    `fused_project_qkv`), run every RMSNorm as one call (FusedRMSNorm), each residual add inside
+    the norm after it (FusedQwen3Model). In place; returns the model. Run once, after the weights
+    are loaded (the stacked weights replace them). The attention must be L5's (its `project_qkv`
+    takes the fused path once `fused` is set)."""
     for module in [*model.model.layers, model.model]:
         for name, child in list(module.named_children()):
             if type(child) is RMSNorm:
@@ -112,4 +228,8 @@ def fuse_model(model):
             attn.fused = True
         if isinstance(layer.mlp, Qwen3MLP):
             layer.mlp = FusedMLP(layer.mlp)
+    if type(model.model) is Qwen3Model:
+        model.model = FusedQwen3Model(model.model)
+    if type(model.rotary) is RotaryEmbedding:
+        model.rotary = RotaryTable(model.rotary)
     return model

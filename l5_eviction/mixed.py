@@ -25,7 +25,7 @@ from l4_paged_prefill import PagedPrefillAttention, build_paged_meta
 from l4_paged_prefill.varlen import cpu_kernel_builds
 
 from .fast_linear import use_packed_linears
-from .fused import fuse_model, fused_project_qkv
+from .fused import fuse_model, fused_project_qkv, fused_project_qkv_write, writes_in_projection
 
 if TYPE_CHECKING:
     from .kv_manager import KvManager
@@ -40,6 +40,15 @@ class MixedBatchAttention(PagedPrefillAttention):
     """L4's attention with the engine's fused projections: the attention of every engine's model."""
 
     fused = False  # set by fused.fuse_model: q, k and v then come from one product
+
+    def forward(self, x, cos, sin, kv, meta):
+        """L1's forward; where fused.writes_in_projection says so, the q/k norm, the rotary and the
+        cache step's write are one C++ call after the q/k/v product (the same values in the pool)."""
+        if not (self.fused and writes_in_projection(self, x, cos, kv, meta)):
+            return super().forward(x, cos, sin, kv, meta)
+        q = fused_project_qkv_write(self, x, cos, sin, kv, meta)
+        out = self.attend(q, kv.k_blocks[self.layer_idx], kv.v_blocks[self.layer_idx], meta)
+        return self.o_proj(out.flatten(1))
 
     def project_qkv(self, x, cos, sin):
         if self.fused:

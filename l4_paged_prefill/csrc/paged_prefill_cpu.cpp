@@ -59,12 +59,35 @@ Vec load(const float* p) {
 
 void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
+typedef int Lanes __attribute__((vector_size(32)));
+
+// Lane i of v moved to lane `order[i]`: GCC's and clang's spellings of one shuffle.
+inline Vec shuffled(Vec v, Lanes order) {
+#if defined(__clang__)
+  return __builtin_shufflevector(v, v, order[0], order[1], order[2], order[3], order[4], order[5], order[6], order[7]);
+#else
+  return __builtin_shuffle(v, order);
+#endif
+}
+
+// The sum of a Vec's lanes as a tree of three shuffles and adds: a serial sum of eight lanes is a
+// chain of eight dependent adds, and a decode row ends one dot product per head per key with it.
+inline float lane_sum(Vec v) {
+  v += shuffled(v, Lanes{4, 5, 6, 7, 0, 1, 2, 3});
+  v += shuffled(v, Lanes{2, 3, 0, 1, 6, 7, 4, 5});
+  v += shuffled(v, Lanes{1, 0, 3, 2, 5, 4, 7, 6});
+  return v[0];
+}
+
 float dot(const float* a, const float* b, int n) {
-  Vec acc = {};
+  Vec acc0 = {}, acc1 = {};  // two chains of adds, not one
   int i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
-  float sum = 0.0f;
-  for (int lane = 0; lane < kLanes; ++lane) sum += acc[lane];
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    acc0 += load(a + i) * load(b + i);
+    acc1 += load(a + i + kLanes) * load(b + i + kLanes);
+  }
+  for (; i + kLanes <= n; i += kLanes) acc0 += load(a + i) * load(b + i);
+  float sum = lane_sum(acc0 + acc1);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
@@ -310,6 +333,30 @@ void attend_tile(const PagedPrefillArgs& a, Scales scales, int seq, int r0, int 
   }
 }
 
+// acc[0, D) += sum over t in [0, width) of p[t] * v_rows[t][offset + d]: one head's weighted values.
+// Four Vecs of acc stay in registers across the keys (through memory, each key's adds would wait
+// for the previous key's stores).
+void accumulate_values(float* acc, const float* p, const float* const* v_rows, int64_t offset, int width, int D) {
+  int d = 0;
+  for (; d + 4 * kLanes <= D; d += 4 * kLanes) {
+    Vec a0 = load(acc + d), a1 = load(acc + d + kLanes), a2 = load(acc + d + 2 * kLanes), a3 = load(acc + d + 3 * kLanes);
+    for (int t = 0; t < width; ++t) {
+      const float* v = v_rows[t] + offset + d;
+      a0 += p[t] * load(v);
+      a1 += p[t] * load(v + kLanes);
+      a2 += p[t] * load(v + 2 * kLanes);
+      a3 += p[t] * load(v + 3 * kLanes);
+    }
+    store(acc + d, a0);
+    store(acc + d + kLanes, a1);
+    store(acc + d + 2 * kLanes, a2);
+    store(acc + d + 3 * kLanes, a3);
+  }
+  for (; d < D; ++d) {  // a head_dim that is not a multiple of 32: the rest one by one
+    for (int t = 0; t < width; ++t) acc[d] += p[t] * v_rows[t][offset + d];
+  }
+}
+
 // One query row of request `seq` (a decode, or a chunk's lone last row) for every query head at
 // once: a position's K (and V) rows of all KV heads lie side by side in its block, so each key is
 // one contiguous read of H_kv * D elements, as in L3's decode walk, instead of H_kv reads a page
@@ -347,13 +394,7 @@ void attend_single_row(const PagedPrefillArgs& a, Scales scales, int seq, int ro
       softmax_step(st, D, h, width);
     }
     for (int h = 0; h < H; ++h) {
-      float* acc = st.acc + h * D;
-      const float* p = st.scores + h * kKeyTile;
-      for (int t = 0; t < width; ++t) {
-        const float* v = st.v_rows[t] + (h / G) * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[d] += p[t] * v[d];
-      }
+      accumulate_values(st.acc + h * D, st.scores + h * kKeyTile, st.v_rows, (h / G) * D, width, D);
     }
   }
   float* out = static_cast<float*>(a.out) + int64_t(row) * H * D;
@@ -422,10 +463,9 @@ extern "C" const char* l4_cpu_paged_prefill(
   const int count = int(items.size());
   const int workers = int(std::clamp<int64_t>(work / kMinWorkPerThread, 1, std::max(1, num_threads)));
   const int G = num_heads / num_kv_heads;
-  #pragma omp parallel num_threads(std::max(1, std::min(workers, count)))
-  {
+  auto run_items = [&](int first, int stride) {  // items first, first + stride, ... on this thread
     Scratch scratch(std::max(kTileRows * G, num_heads), head_dim, num_kv_heads);
-    for (int i = omp_get_thread_num(); i < count; i += omp_get_num_threads()) {
+    for (int i = first; i < count; i += stride) {
       const Item& it = items[i];
       if (it.kv < 0) {
         attend_row(a, scales, it.seq, it.row, scratch);
@@ -433,6 +473,13 @@ extern "C" const char* l4_cpu_paged_prefill(
         attend(a, scales, it.seq, it.row, std::min(it.row + kTileRows, cu_seqlens_q[it.seq + 1]), it.kv, scratch);
       }
     }
+  };
+  const int threads = std::max(1, std::min(workers, count));
+  if (threads == 1) {  // no parallel region: even a team of one costs a decode's attention more than its work
+    run_items(0, 1);
+  } else {
+    #pragma omp parallel num_threads(threads)
+    run_items(omp_get_thread_num(), omp_get_num_threads());
   }
   return nullptr;
 }
