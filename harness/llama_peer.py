@@ -6,7 +6,7 @@ source release into .peer/). Nothing in the tests depends on it.
 
     convert(model_dir, out, "f32")    the HF folder -> GGUF by llama.cpp's own convert_hf_to_gguf.py
     LlamaCppPeer(gguf, kv="f32")      one context: n_seq_max sequences in one unified KV cache
-      .decode_alone(prompt, new)      one request: its ids and the seconds of its decode steps
+      .decode_alone(prompt, new)      one request: its ids and the median seconds of a decode step
       .serve(items, prefill_chunk)    a workload, stepped as the L5 engine steps it: every running
                                       request's decode, then prompt chunks up to `prefill_chunk`
                                       tokens, in one llama_decode per step
@@ -18,6 +18,7 @@ F32 weights and an F32 KV cache its ids should equal HF's up to float rounding.
 from __future__ import annotations
 
 import ctypes
+import statistics
 import importlib
 import subprocess
 import sys
@@ -119,14 +120,16 @@ class LlamaCppPeer:
         self.lc.llama_memory_clear(self.memory, True)
 
     def decode_alone(self, prompt: list[int], new: int) -> tuple[list[int], float]:
-        """One request alone: its `new` greedy ids and the seconds its decode steps took (the
-        prompt's step excluded), as (seconds for `new` tokens - seconds for the first one)."""
+        """One request alone: its `new` greedy ids (new >= 2) and the median seconds of its decode
+        steps (the prompt's step excluded), timed as the engine's and HF's are (bench_step)."""
         self._clear()
         ids = self._run([(t, p, 0, p == len(prompt) - 1) for p, t in enumerate(prompt)])
-        first = time.perf_counter()
+        steps = []
         while len(ids) < new:
+            start = time.perf_counter()
             ids += self._run([(ids[-1], len(prompt) + len(ids) - 1, 0, True)])
-        return ids, time.perf_counter() - first
+            steps.append(time.perf_counter() - start)
+        return ids, statistics.median(steps)
 
     def serve(self, items: list, prefill_chunk: int = 256) -> tuple[list[list[int]], float]:
         """Every item (prompt_ids, max_new_tokens; all arriving at once) to completion, each step the

@@ -155,10 +155,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     check_prefill_inputs(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables)
     check_scales(q, k_cache, k_scales, v_scales)
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise InputError(f"window must be None or a positive int (a sliding layer's size), got {window!r}")
-    if window is not None and not causal:
-        raise InputError("causal=False (cascade's prefix pass) takes no window: a sliding layer is not cascaded")
+    check_window(window, causal)
     backend = pick_backend(backend, q, k_cache)
     if k_scales is not None and backend in ("kernel", "emulated"):
         raise InputError(f"backend={backend!r} reads float caches only; a cache of codes takes backend='cpu' or "
@@ -181,6 +178,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out, lse = run_on_host(backend, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
                                window, key_begin, causal, max_query_len, k_scales, v_scales)
     return (out, lse) if return_lse else out
+
+
+def check_window(window, causal: bool = True) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise InputError(f"window must be None or a positive int (a sliding layer's size), got {window!r}")
+    if window is not None and not causal:
+        raise InputError("causal=False (cascade's prefix pass) takes no window: a sliding layer is not cascaded")
 
 
 def run_on_host(backend, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, window, key_begin,
@@ -210,11 +214,13 @@ def table_arguments(q, k_cache, cu_seqlens_q, context_lens, block_tables, max_qu
             k_cache.shape[0], max_query_len, scale)
 
 
-def call_host(run, q, k_cache, v_cache, shared: tuple, tail: tuple):
+def call_host(run, q, k_cache, v_cache, shared: tuple, tail: tuple, want_lse: bool = True):
+    """-> out [T, H, D], and lse [T, H] (None unless want_lse: the kernel then writes none)."""
     q = q.contiguous()
     out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32)
-    error = run(out.data_ptr(), lse.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *shared, *tail)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32) if want_lse else None
+    error = run(out.data_ptr(), None if lse is None else lse.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+                v_cache.data_ptr(), *shared, *tail)
     if error is not None:
         raise InputError(error.decode())
     return out, lse
@@ -225,11 +231,11 @@ class PagedPrefillPlan:
 
     Every layer of a step attends over the same rows, lengths and tables; only q, the layer's
     caches and its window differ. `paged_prefill_attention` checks each input on every call, which
-    for a decode of a small model costs more than the kernel itself. `run` sends the first call
-    through it (every check) and notes what the call looked like; a later call alike (shapes,
-    dtypes, device, contiguous caches) goes straight to the host kernel with the metadata's
-    arguments laid out once. Other backends, and calls not alike, take the dispatcher each time.
-    The metadata tensors must not change while the plan is used (a step's never do).
+    for a decode of a small model costs more than the kernel itself. `run` makes its checks on the
+    first call and notes what the call looked like; that call and every later one alike (shapes,
+    dtypes, device, contiguous caches) go straight to the host kernel with the metadata's arguments
+    laid out once. Other backends, and calls not alike, take the dispatcher each time. The
+    metadata tensors must not change while the plan is used (a step's never do).
     """
 
     def __init__(self, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -241,22 +247,31 @@ class PagedPrefillPlan:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None):
         """paged_prefill_attention(q, k_cache, v_cache, <the plan's metadata>, window=window) -> [T, H, D]."""
-        looks = (q.shape, q.dtype, q.device, k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype,
+        looks = (q.shape, q.dtype, q.is_cpu, k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype,
                  k_cache.is_contiguous() and v_cache.is_contiguous())
-        if looks == self.alike:
-            return call_host(self.run_host, q, k_cache, v_cache, self.shared, (window or 0, *self.tail))[0]
-        out = paged_prefill_attention(q, k_cache, v_cache, self.cu_seqlens_q, self.context_lens, self.block_tables,
-                                      window=window, backend=self.backend, max_query_len=self.max_query_len,
-                                      check_values=False)
+        if looks != self.alike and not self.plan_host_call(q, k_cache, v_cache, window, looks):
+            return paged_prefill_attention(q, k_cache, v_cache, self.cu_seqlens_q, self.context_lens,
+                                           self.block_tables, window=window, backend=self.backend,
+                                           max_query_len=self.max_query_len, check_values=False)
+        return call_host(self.run_host, q, k_cache, v_cache, self.shared, (window or 0, *self.tail),
+                         want_lse=False)[0]
+
+    def plan_host_call(self, q, k_cache, v_cache, window, looks) -> bool:
+        """paged_prefill_attention's checks of this call; where it goes to the host kernel (backend
+        "cpu" or "emulated", float caches), lay out the kernel's arguments and remember `looks`.
+        False: another backend or caches of codes (the dispatcher takes every such call)."""
+        check_prefill_inputs(q, k_cache, v_cache, self.cu_seqlens_q, self.context_lens, self.block_tables)
+        check_window(window)
         backend = pick_backend(self.backend, q, k_cache)
-        if backend in ("cpu", "emulated") and k_cache.dtype not in CODE_FORMATS:
-            self.cu_seqlens_q, self.context_lens, self.block_tables = (
-                t.contiguous() for t in (self.cu_seqlens_q, self.context_lens, self.block_tables))
-            self.run_host, host_tail = host_kernel(backend, q, k_cache, None)
-            self.shared = table_arguments(q, k_cache, self.cu_seqlens_q, self.context_lens, self.block_tables,
-                                          self.max_query_len, q.shape[-1] ** -0.5)
-            self.tail, self.alike = (0, 1, *host_tail), looks  # key_begin 0, causal
-        return out
+        if backend not in ("cpu", "emulated") or k_cache.dtype in CODE_FORMATS:
+            return False
+        self.cu_seqlens_q, self.context_lens, self.block_tables = (
+            t.contiguous() for t in (self.cu_seqlens_q, self.context_lens, self.block_tables))
+        self.run_host, host_tail = host_kernel(backend, q, k_cache, None)
+        self.shared = table_arguments(q, k_cache, self.cu_seqlens_q, self.context_lens, self.block_tables,
+                                      self.max_query_len, q.shape[-1] ** -0.5)
+        self.tail, self.alike = (0, 1, *host_tail), looks  # key_begin 0, causal
+        return True
 
 
 def check_prefill_inputs(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables) -> None:

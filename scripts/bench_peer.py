@@ -7,7 +7,8 @@ and in F16 with an F16 KV cache) and the same work as the course's engine and HF
 
   batch-1 decode      one request of 32 prompt tokens (random ids, fixed seed) decodes --new
                       tokens; tok/s of its decode steps, the prompt's step left out (HF's
-                      `generate`: time for --new tokens less the time for one)
+                      `generate` timed by a logits processor); the median step of a run, the
+                      best of three runs in a round, the systems' runs alternating
   32-request mixed    bench_l5's workload (prompts 8-128 tokens, 8-64 new, all at once, EOS off):
                       generated tokens / wall seconds. The engine and llama.cpp step it alike:
                       every running request's decode, then up to 256 prompt tokens, one forward
@@ -51,6 +52,7 @@ from harness.smoke import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
 from l1_contiguous import load_config  # noqa: E402
 from l5_eviction import DEFAULT_PREFILL_CHUNK, load_engine_model, make_engine  # noqa: E402
 
+RUNS_ALONE = 3  # batch-1 runs per system and round, alternating, the best kept
 SYSTEMS = ["L5 engine", "llama.cpp F32 (KV f32)", "llama.cpp F16 (KV f16)", "HF batched generate",
            "HF continuous batching"]
 COLUMNS = ["system", "mixed tok/s", "mixed x HF CB", "mixed ids = HF", "batch-1 tok/s", "batch-1 x HF",
@@ -98,7 +100,9 @@ class Peers:
 
 
 def run_round(model, hf_model, peers: Peers, items, prompt, args, results: dict) -> None:
-    """Every system once on both workloads; results[system] collects (seconds, ids) per workload."""
+    """Every system once on both workloads; results[system] collects (mixed tok/s, mixed ids,
+    batch-1 tok/s, batch-1 ids). The batch-1 runs alternate the systems run by run, so that each
+    system's best meets the machine in the same state as the others'."""
     demand = bench_l5.demand_blocks(items, 16)
     tokens = sum(w.max_new_tokens for w in items)
 
@@ -107,22 +111,27 @@ def run_round(model, hf_model, peers: Peers, items, prompt, args, results: dict)
         engine.eos_ids = set()
         return engine
     served = serve_engine(make, items, [0.0] * len(items))
-    step_s, ids = bench_step.decode_steps(model, [prompt], args.new)
-    results[SYSTEMS[0]].append((tokens / served.serve_s, served.ids, 1 / step_s, ids))
+    mixed = {SYSTEMS[0]: (served.ids, served.serve_s)}  # system -> (ids, seconds)
     for name, peer in peers.peers.items():
-        outs, seconds = peer.serve(items, DEFAULT_PREFILL_CHUNK)
-        alone, alone_s = peer.decode_alone(prompt, args.new)
-        results[name].append((tokens / seconds, outs, (args.new - 1) / alone_s, alone))
+        mixed[name] = peer.serve(items, DEFAULT_PREFILL_CHUNK)
     start = time.perf_counter()
     outs = hf_generate(hf_model, [w.prompt_ids for w in items], max(w.max_new_tokens for w in items), batched=True)
-    batched_s = time.perf_counter() - start
-    step_s, hf_ids = bench_step.hf_decode_step(hf_model, [prompt], args.new)
-    # HF's decode step is a difference of two timings: a run too short to time can make it <= 0
-    results[SYSTEMS[3]].append((tokens / batched_s, [o[:w.max_new_tokens] for o, w in zip(outs, items)],
-                                1 / step_s if step_s > 0 else None, hf_ids))
+    mixed[SYSTEMS[3]] = [o[:w.max_new_tokens] for o, w in zip(outs, items)], time.perf_counter() - start
     config = hf_continuous_config(16, demand, args.hf_batch_tokens, block_sharing=False)
     served = serve_hf_continuous(hf_model, items, [0.0] * len(items), config)
-    results[SYSTEMS[4]].append((tokens / served.serve_s, served.ids, None, None))
+    mixed[SYSTEMS[4]] = served.ids, served.serve_s
+
+    alone_runs = {SYSTEMS[0]: lambda: bench_step.decode_steps(model, [prompt], args.new),
+                  **{name: (lambda peer=peer: peer.decode_alone(prompt, args.new)[::-1])
+                     for name, peer in peers.peers.items()},
+                  SYSTEMS[3]: lambda: bench_step.hf_decode_run(hf_model, [prompt], args.new)}
+    alone = {name: [] for name in alone_runs}  # system -> [(median step seconds, ids)] per run
+    for _ in range(RUNS_ALONE):
+        for name, run in alone_runs.items():
+            alone[name].append(run())
+    for name, (ids, seconds) in mixed.items():
+        step_s, alone_ids = min(alone[name], key=lambda run: run[0]) if name in alone else (None, None)
+        results[name].append((tokens / seconds, ids, 1 / step_s if step_s else None, alone_ids))
 
 
 def rows_of(results: dict, why_not: str | None) -> list[dict]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -100,7 +101,8 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
 
 
 def decode_steps(model, batch_prompts: list[list[int]], new: int, timers=None) -> tuple[float, list[int]]:
-    """Mean seconds of the decode steps (the prefill step excluded), and the first request's ids."""
+    """Median seconds of the decode steps (the prefill step excluded; the median, not the mean, so
+    that a burst of load from outside hits a few steps, not the figure), and the first request's ids."""
     bs = 16
     engine = make_engine(model, num_blocks=len(batch_prompts) * (-(-(PROMPT_LEN + new) // bs)) + 1, block_size=bs,
                          prefill_chunk=len(batch_prompts) * PROMPT_LEN)
@@ -109,14 +111,14 @@ def decode_steps(model, batch_prompts: list[list[int]], new: int, timers=None) -
     engine.step()  # every prompt is prefilled in the first step (its budget is all of them)
     if timers is not None:
         timers.attach(engine)
-    steps, start = 0, time.perf_counter()
+    steps = []
     while engine.has_unfinished():
+        start = time.perf_counter()
         engine.step()
-        steps += 1
-    seconds = (time.perf_counter() - start) / steps
+        steps.append(time.perf_counter() - start)
     if timers is not None:
         timers.detach()
-    return seconds, engine.requests[0].output_ids
+    return statistics.median(steps), engine.requests[0].output_ids
 
 
 class PhaseTimers:
@@ -176,21 +178,39 @@ class PhaseTimers:
         self.seconds["other"] = self.step_seconds - sum(v for k, v in self.seconds.items() if k != "other")
 
 
-def hf_decode_step(hf_model, batch_prompts: list[list[int]], new: int) -> tuple[float, list[int]]:
+class StepClock:
+    """A logits processor noting the time each generate step reaches it: the differences are HF's
+    decode steps (its forward, its sampling and its bookkeeping), timed like the engine's."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+    def median_step(self) -> float:
+        return statistics.median(b - a for a, b in zip(self.times, self.times[1:]))
+
+
+def hf_decode_run(hf_model, batch_prompts: list[list[int]], new: int) -> tuple[float, list[int]]:
+    """One HF generate of `new` tokens (new >= 2): its median decode step seconds, and the first
+    request's ids."""
+    from transformers import LogitsProcessorList
+
     ids = torch.tensor(batch_prompts)
-    mask = torch.ones_like(ids)
+    clock = StepClock()
+    with torch.inference_mode():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+    return clock.median_step(), out[0, PROMPT_LEN:].tolist()
 
-    def generate(n: int):
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                    pad_token_id=0)
-        return time.perf_counter() - start, out
 
-    generate(2)  # warm-up
-    one = min(generate(1)[0] for _ in range(3))
-    runs = [generate(new) for _ in range(3)]
-    return (min(s for s, _ in runs) - one) / (new - 1), runs[0][1][0, PROMPT_LEN:].tolist()
+def hf_decode_step(hf_model, batch_prompts: list[list[int]], new: int) -> tuple[float, list[int]]:
+    """HF generate's median decode step seconds, the best of three runs, and the first request's ids."""
+    hf_decode_run(hf_model, batch_prompts, 2)  # warm-up
+    runs = [hf_decode_run(hf_model, batch_prompts, new) for _ in range(3)]
+    return min(s for s, _ in runs), runs[0][1]
 
 
 def bench_model(label: str, model_dir: Path, args) -> list[dict]:
