@@ -8,6 +8,7 @@ container deep, and a generator's state; everything else is kept by reference.
 from __future__ import annotations
 
 import copy
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -26,8 +27,9 @@ class PendingRollback:
 
 
 def snapshot(objects: list) -> list:
-    """Every step takes one (Engine.step), so it is kept cheap: a dict comprehension per object."""
-    return [(obj, {k: _saved(v) for k, v in vars(obj).items() if k != SKIPPED}) for obj in objects]
+    """Every step takes one (Engine.step), so it is kept cheap: a dict comprehension per object,
+    one lookup per attribute for how its kind of value is saved."""
+    return [(obj, {k: _saver(type(v))(v) for k, v in vars(obj).items() if k != SKIPPED}) for obj in objects]
 
 
 def restore(saved: list) -> None:
@@ -47,16 +49,22 @@ class _GeneratorState:
 _CONTAINERS = (list, dict, set, deque)
 
 
-def _saved(value):
-    """A copy deep enough to undo a step: containers one level down (they hold ids, blocks, requests
-    or immutable keys), a random generator's state, anything else by reference."""
-    if type(value) in _CONTAINERS:  # the common case, without copy.copy's dispatch
-        return value.copy()
-    if isinstance(value, _CONTAINERS):
-        return copy.copy(value)
-    if type(value) is torch.Generator:  # not isinstance: torch's metaclass check costs microseconds
-        return _GeneratorState(value)
+def _by_reference(value):
     return value
+
+
+@functools.cache
+def _saver(kind: type):
+    """How a value of `kind` is saved, deep enough to undo a step: containers one level down (they
+    hold ids, blocks, requests or immutable keys), a random generator's state, anything else by
+    reference. Decided once per type."""
+    if kind in _CONTAINERS:
+        return kind.copy
+    if issubclass(kind, _CONTAINERS):  # a subclass's own copy() may return the base type
+        return copy.copy
+    if issubclass(kind, torch.Generator):
+        return _GeneratorState
+    return _by_reference
 
 
 def _restored(value):
