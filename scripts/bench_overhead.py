@@ -11,8 +11,9 @@ best of --repeat is kept. The changes:
               the dispatcher's checks on every layer's call
   kv write    the pool's K/V written with index_copy_ instead of `K[slots] = k` (index_put, which
               splits even a few rows across threads)
-  snapshot    the step's rollback snapshot telling a torch.Generator by its type, not isinstance
-              (whose check runs Python in torch's metaclass for every attribute of every object)
+  snapshot    the step's rollback snapshot deciding how to save each kind of value once per type
+              instead of by isinstance checks on every attribute of every object (a torch.Generator's
+              runs Python in torch's metaclass)
   layout      the layers' smaller matrices stored transposed, [in, out] (TransposedLinear), for
               MKL's x @ W.T, instead of nn.Linear's [out, in]
   qk fused    q/k norm and rotary as one C++ call (engine_ops.py) instead of ~15 torch operations
@@ -24,6 +25,10 @@ best of --repeat is kept. The changes:
               to layer (FusedDecoderLayer), instead of L1's layer: an add, then the norm
   host calls  the C++ calls' wrappers reading each size once and reshaping only what is not 2-D
               instead of their first versions (host_op_applies and rms_norm, the most called)
+  kv in q/k   the K/V write inside the q/k norm + rotary C++ call (fused.writes_in_projection)
+              instead of the pool's set_kv after it (two index_copy_ per layer)
+  rotary table  the step's cos/sin rows read from a table (fused.RotaryTable) instead of L1's
+              seven operations per step
 
     python scripts/bench_overhead.py                       # batches 1, 4, 32; 2 threads
     python scripts/bench_overhead.py --markdown docs/benchmarks.md
@@ -51,6 +56,7 @@ from torch import nn  # noqa: E402
 import bench_step  # noqa: E402
 import l5_eviction.engine  # noqa: E402
 import l5_eviction.fused  # noqa: E402
+import l5_eviction.mixed  # noqa: E402
 from harness.benchmark import bench_command, load_average, machine_line, markdown_table, print_table, replace_section  # noqa: E402
 from harness.smoke import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
 from l1_contiguous import load_config  # noqa: E402
@@ -191,11 +197,13 @@ def before(change: str, model):
         "all rows": lambda: patched(StepRunner, "logits_rows", BlockTableRunner.logits_rows),
         "add+norm": lambda: patched(FusedQwen3Model, "forward", l1_layer_loop),
         "host calls": first_host_calls,
+        "kv in q/k": lambda: patched(l5_eviction.mixed, "writes_in_projection", lambda *args: False),
+        "rotary table": lambda: patched(model, "rotary", model.rotary.rotary),
     }[change]()
 
 
 CHANGES = ["norms", "plan", "kv write", "snapshot", "layout", "qk fused", "head row", "all rows", "add+norm",
-           "host calls"]
+           "host calls", "kv in q/k", "rotary table"]
 
 
 @contextlib.contextmanager

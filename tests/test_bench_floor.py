@@ -174,7 +174,10 @@ def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model
         return {type(m).__name__ for m in model.modules()}
     assert {"FusedRMSNorm", "TransposedLinear"} <= kinds()
     with bench.before("norms", model):
-        assert "FusedRMSNorm" not in kinds() and "RMSNorm" in kinds()
+        assert "FusedRMSNorm" not in kinds() and "L1Norm" in kinds()
+    with bench.before("rotary table", model):
+        assert type(model.rotary).__name__ == "RotaryEmbedding"
+    assert type(model.rotary).__name__ == "RotaryTable"
     with bench.before("layout", model):
         assert "TransposedLinear" not in kinds()
     assert {"FusedRMSNorm", "TransposedLinear"} <= kinds()  # and back again after
@@ -182,7 +185,10 @@ def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model
                                   "snapshot": (bench.l5_eviction.engine, "snapshot"),
                                   "qk fused": (bench.l5_eviction.fused, "fused_qk_applies"),
                                   "head row": (bench.PackedLinear, "forward"),
-                                  "all rows": (bench.StepRunner, "logits_rows")}.items():
+                                  "all rows": (bench.StepRunner, "logits_rows"),
+                                  "add+norm": (bench.FusedQwen3Model, "forward"),
+                                  "host calls": (bench.l5_eviction.fused, "rms_norm"),
+                                  "kv in q/k": (bench.l5_eviction.mixed, "writes_in_projection")}.items():
         now = getattr(owner, name)
         with bench.before(change, model):
             assert getattr(owner, name) is not now, change

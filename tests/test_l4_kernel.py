@@ -65,6 +65,19 @@ def test_host_kernels_head_dims_and_windows(backend, head_dim, window):
     torch.testing.assert_close(out.double(), reference(case, window=window)[0], rtol=2e-5, atol=2e-5)
 
 
+@needs_compiler
+@pytest.mark.parametrize("head_dim", [8, 20, 40])
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_cpu_kernel_takes_head_dims_the_cuda_kernel_does_not(head_dim, group):
+    """Not a multiple of the vector width (8) or of a decode row's value block (32): the rows' and
+    the products' remainder loops, in tiles of many rows and in decode rows."""
+    case = make_batch([50, 21, 3, 70], [20, 1, 3, 1], 8, group=group, head_dim=head_dim, fill=float("nan"))
+    out, lse = run("cpu", case)
+    want_out, want_lse = reference(case)
+    torch.testing.assert_close(out.double(), want_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
 def test_entries_behind_a_window_are_never_read(backend):
     """L13 leaves -1 where a sliding group freed a block: a windowed call must not touch it."""
@@ -176,6 +189,21 @@ def test_a_plan_checks_a_call_that_differs_from_the_first(backend):
     with pytest.raises(InputError, match="multiple of"):
         plan.run(q[:, :3], k, v)
     torch.testing.assert_close(plan.run(q, k, v), first)
+
+
+@pytest.mark.parametrize("backend", [*HOST_BACKENDS, "reference"])
+def test_a_plans_first_call_is_checked_as_the_dispatchers(backend):
+    """The call that plans the host kernel's arguments is itself checked: a bad window or table
+    dtype is a one-line InputError, and the plan is not left half made (a good call then works)."""
+    q, k, v, cu, lens, tables = make_batch([10, 7, 2], [4, 1, 2], 4, head_dim=32, dtype=torch.float32)
+    with pytest.raises(InputError, match="window must be None or a positive int"):
+        PagedPrefillPlan(cu, lens, tables, max_query_len=4, backend=backend).run(q, k, v, window=0)
+    with pytest.raises(InputError, match="block_tables must be int32"):
+        PagedPrefillPlan(cu, lens, tables.long(), max_query_len=4, backend=backend).run(q, k, v)
+    plan = PagedPrefillPlan(cu, lens, tables, max_query_len=4, backend=backend)
+    with pytest.raises(InputError, match="head_dim"):
+        plan.run(q, k[..., :8].contiguous(), v[..., :8].contiguous())
+    torch.testing.assert_close(plan.run(q, k, v), paged_prefill_attention(q, k, v, cu, lens, tables, backend=backend))
 
 
 def test_backend_choice_is_checked():

@@ -10,14 +10,17 @@ The bookkeeping invariants (`check_invariants`) are checked after every operatio
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
+import torch
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from harness.judge import snapshot
 from helpers import blocks_for, budget
 from l2_paged import kv_positions_needed
+from l5_eviction import rollback
 from l5_eviction import MODES, POLICIES, RequestTooLargeError, State, WorkItem, load_engine_model, make_engine
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, quarter_pool
 
@@ -420,3 +423,25 @@ def test_random_operations_keep_every_invariant(ops, mode, policy, chunk, waterm
     for req in engine.requests.values():
         if req.finish_reason != "aborted":
             assert req.output_ids == reference_ids(small_model, req.prompt_ids, req.max_new_tokens)
+
+
+def test_a_rollback_snapshot_restores_containers_with_their_types_and_generators():
+    """One level of copies (a subclass keeps its type), a generator's state, a new attribute gone."""
+    class Tally(dict):
+        pass
+
+    class Holder:
+        pass
+    holder, shared = Holder(), object()
+    holder.ids, holder.queue, holder.tally, holder.shared = [1, 2], deque([3]), Tally(a=1), shared
+    holder.gen = torch.Generator().manual_seed(0)
+    saved = rollback.snapshot([holder])
+    holder.ids.append(9)
+    holder.queue.clear()
+    holder.tally["b"] = 2
+    first = torch.rand(1, generator=holder.gen)
+    holder.extra = 1
+    rollback.restore(saved)
+    assert holder.ids == [1, 2] and list(holder.queue) == [3] and holder.shared is shared
+    assert type(holder.tally) is Tally and holder.tally == {"a": 1} and not hasattr(holder, "extra")
+    assert torch.equal(torch.rand(1, generator=holder.gen), first)

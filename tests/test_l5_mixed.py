@@ -23,10 +23,10 @@ from l1_contiguous.model import RMSNorm
 from l2_paged import BlockAllocator, Request, reserve
 from l3_block_kernel import BlockKvPool, load_block_model
 from l3_block_kernel.kernel_build import host_compiler
-from l4_paged_prefill import PagedPrefillRunner, PagedStepMeta
+from l4_paged_prefill import PagedPrefillRunner, PagedStepMeta, load_prefill_model
 from l5_eviction import KvManager, StepRunner, WorkItem, build_step_meta, engine_backend, load_engine_model, make_engine
 from l5_eviction import engine_ops
-from l5_eviction.fused import FusedRMSNorm
+from l5_eviction.fused import FusedDecoderLayer, FusedRMSNorm, RotaryTable, writes_in_projection
 from test_l5_engine import BLOCK_SIZE, WORKLOAD, hf_alone, outputs, quarter_pool
 
 mixed = importlib.import_module("l5_eviction.mixed")
@@ -180,6 +180,23 @@ def test_the_engines_cpp_operations_compute_l1s_arithmetic():
     torch.testing.assert_close(engine_ops.silu_mul(gate_up), F.silu(gate_up[:, :96]) * gate_up[:, 96:],
                                rtol=1e-5, atol=1e-5)
 
+    residual = 3 * torch.randn(t, 256, generator=gen)
+    before = residual.clone()
+    torch.testing.assert_close(engine_ops.add_rms_norm(x, residual, norm.weight, 1e-6), norm(before + x),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual, before + x, rtol=0, atol=0)  # the sum, in place
+
+    q_heads, kv_heads = 4, 2  # heads = q's and k's; then v's, and 8 columns more
+    v = torch.randn(t, kv_heads * d, generator=gen)
+    qkv = torch.cat([wide[:, :heads * d], v, torch.randn(t, 8, generator=gen)], dim=1)[:, :-8]  # rows 8 apart
+    k_slots, v_slots = torch.zeros(9, kv_heads, d), torch.zeros(9, kv_heads, d)
+    slots = torch.tensor([7, 0, 3, 8, 1])
+    q = engine_ops.qk_norm_rope_write(qkv, q_heads, kv_heads, d, weight, 1e-6, cos, sin, k_slots, v_slots, slots)
+    torch.testing.assert_close(q, want[:, :q_heads], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_slots[slots], want[:, q_heads:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_slots[slots], v.view(t, kv_heads, d), rtol=0, atol=0)
+    assert not k_slots[[2, 4, 5, 6]].any() and not v_slots[[2, 4, 5, 6]].any()  # no other slot written
+
 
 def _with_weight(norm, weight):
     norm.weight = torch.nn.Parameter(weight)
@@ -193,8 +210,110 @@ def test_without_the_cpp_operations_the_engine_model_computes_the_same_logits(mo
     for req, n in zip(reqs, num_new):
         reserve(req, alloc, req.cur_len + n)
     ids, meta = build_step_meta(reqs, num_new, "cpu", "reference")
+    slow_pool = copy.deepcopy(pool)
     with torch.inference_mode():
         fast = model(ids, pool, meta)
         monkeypatch.setattr(engine_ops, "engine_ops_build", lambda: False)
-        slow = model(ids, pool, meta)
+        meta.plan = None
+        slow = model(ids, slow_pool, meta)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+    assert_same_kv(pool, slow_pool, reqs, model.config)
+
+
+def stepped(model, pool_cls=BlockKvPool):
+    """half_done's state on a pool of `pool_cls`, then one mixed step: (logits, pool, requests)."""
+    pool, alloc, reqs, num_new = half_done(model)
+    if pool_cls is not BlockKvPool:
+        mine = pool_cls(model.config, pool.num_blocks, BLOCK_SIZE, model.dtype, model.device)
+        for layer in range(model.config.num_hidden_layers):
+            mine.K[layer].copy_(pool.K[layer])
+            mine.V[layer].copy_(pool.V[layer])
+        pool = mine
+    logits = PagedPrefillRunner(model, pool, alloc, backend="reference").forward_logits(reqs, num_new)
+    return logits, pool, reqs
+
+
+def assert_same_kv(pool_a, pool_b, reqs, config):
+    for layer in range(config.num_hidden_layers):
+        for req in reqs:
+            slots = req.slot_indices[:req.cur_len]
+            torch.testing.assert_close(pool_a.K[layer][slots], pool_b.K[layer][slots], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(pool_a.V[layer][slots], pool_b.V[layer][slots], rtol=1e-4, atol=1e-5)
+
+
+def test_the_engine_model_computes_l4s_logits_and_kv(model, tiny_model_dir):
+    """Its layers carry the residual (the adds inside the norms), write K/V inside the q/k call and
+    read a rotary table, and still compute what L4's model (L1's layer) does: logits and pool."""
+    assert all(type(layer) is FusedDecoderLayer for layer in model.model.layers)
+    assert isinstance(model.rotary, RotaryTable)
+    ours, our_pool, reqs = stepped(model)
+    l4 = load_prefill_model(tiny_model_dir)
+    theirs, their_pool, _ = stepped(l4)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert_same_kv(our_pool, their_pool, reqs, model.config)
+
+
+class RecordingPool(BlockKvPool):
+    """A pool with its own write (as L12's quantizing one has): the engine must call it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.writes = []
+
+    def set_kv(self, layer, slot_mapping, k, v):
+        self.writes.append(layer)
+        super().set_kv(layer, slot_mapping, k, v)
+
+
+def test_a_pool_with_its_own_write_gets_every_write(model):
+    """The K/V write moves into the q/k call only for L2's plain write: a pool that overrides
+    set_kv, or an attention whose cache step is not L4's, keeps its own (same numbers)."""
+    plain, plain_pool, reqs = stepped(model)
+    recorded, pool, _ = stepped(model, RecordingPool)
+    assert pool.writes == list(range(model.config.num_hidden_layers))
+    torch.testing.assert_close(recorded, plain, rtol=1e-6, atol=1e-6)
+    assert_same_kv(pool, plain_pool, reqs, model.config)
+
+    class OwnStep(type(model.model.layers[0].self_attn)):
+        def kv_step(self, k, v, pool, meta):
+            return super().kv_step(k, v, pool, meta)
+    x, cos = torch.zeros(2, model.config.hidden_size), torch.zeros(2, model.config.head_dim)
+    two = torch.tensor([0, 1])
+    meta = PagedStepMeta(positions=two, slot_mapping=two, cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32),
+                         context_lens=torch.tensor([2], dtype=torch.int32),
+                         block_tables=torch.zeros(1, 1, dtype=torch.int32), max_query_len=2)
+    attn = model.model.layers[0].self_attn
+    assert writes_in_projection(attn, x, cos, plain_pool, meta) == engine_ops.engine_ops_build()
+    assert not writes_in_projection(attn, x, cos, pool, meta)
+    attn.__class__ = OwnStep
+    try:
+        assert not writes_in_projection(attn, x, cos, plain_pool, meta)
+    finally:
+        attn.__class__ = OwnStep.__bases__[0]
+
+
+@needs_ops
+def test_the_cpp_write_refuses_a_slot_outside_the_pool_and_writes_nothing():
+    heads, kv_heads, d, slots = 4, 2, 8, 6
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d)
+    weight, (cos, sin) = torch.ones(heads + kv_heads, d), RotaryEmbedding(d, 10000.0).cos_sin(torch.arange(3), torch.float32)
+    k_slots, v_slots = torch.zeros(slots, kv_heads, d), torch.zeros(slots, kv_heads, d)
+    for bad in (slots, -1):
+        with pytest.raises(InputError, match=f"outside the pool \\({slots} slots\\)"):
+            engine_ops.qk_norm_rope_write(qkv, heads, kv_heads, d, weight, 1e-6, cos, sin, k_slots, v_slots,
+                                          torch.tensor([0, bad, 2]))
+        assert not k_slots.any() and not v_slots.any()
+
+
+def test_the_rotary_table_gives_l1s_angles_at_any_position():
+    """Grown past its first 1024 positions when asked; past MAX_POSITIONS it computes L1's angles
+    without growing."""
+    l1 = RotaryEmbedding(32, 10000.0)
+    table = RotaryTable(l1)
+    for positions in ([0, 5, 1023], [1024, 7, 3000], [RotaryTable.MAX_POSITIONS + 5, 2]):
+        positions = torch.tensor(positions)
+        for got, want in zip(table.cos_sin(positions, torch.float32), l1.cos_sin(positions, torch.float32)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert table.cos.shape == (4096, 32)
+    bf16 = table.cos_sin(torch.tensor([3]), torch.bfloat16)
+    assert bf16[0].dtype == torch.bfloat16 and torch.equal(bf16[0], l1.cos_sin(torch.tensor([3]), torch.bfloat16)[0])
