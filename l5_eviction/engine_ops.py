@@ -1,4 +1,4 @@
-"""The engine's fused CPU operations: q/k norm and rotary in one call, RMSNorm in one (csrc/engine_ops.cpp).
+"""The engine's fused CPU operations: q/k norm, rotary and K/V write in one call, RMSNorm in one (csrc/engine_ops.cpp).
 
 Between a layer's q/k/v product and its attention, PyTorch runs about fifteen small operations
 (fused.py's `fused_project_qkv`), and inside a step, among a hundred others, each costs about ten
@@ -6,10 +6,12 @@ microseconds whatever its size: for one decoding request that is most of the lay
 CPU in float32, with a C++ compiler, the engine does them as one call into the library below
 (built like L4's CPU kernel, with L3's build machinery, cached); elsewhere (CUDA, bf16, no
 compiler) it keeps the PyTorch operations. The same holds for every RMSNorm: torch's F.rms_norm
-on a CPU is itself a composite of several operations. The arithmetic is L1's (float32 RMSNorm,
-each head its own weight, rotate-half rotary from the step's cos/sin tables), so the logits move
-by float rounding at most. Measured before and after: scripts/bench_overhead.py ("qk fused",
-"norms").
+on a CPU is itself a composite of several operations. Two calls take a neighbour's work too: the
+q/k call writes the step's K and V into the pool's slots (`qk_norm_rope_write`, where the pool's
+write is L2's plain one), and a norm adds the residual first (`add_rms_norm`). The arithmetic is
+L1's (float32 RMSNorm, each head its own weight, rotate-half rotary from the step's cos/sin
+tables), so the logits move by float rounding at most. Measured before and after:
+scripts/bench_overhead.py ("qk fused", "norms", "add+norm", "kv in q/k", "host calls").
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ of them. The engine's model keeps L1's arithmetic and runs some of it as fewer o
     q/k norm and rotary: ~12 operations     ->   1 C++ call on a CPU in float32 (engine_ops.py)
     residual add, then the next RMSNorm     ->   1 call (FusedDecoderLayer carries the residual
                                                  stream from layer to layer, as vLLM's layers do)
+    the pool's K/V write (2 copies)         ->   inside the q/k call, where the pool's set_kv is
+                                                 L2's plain write (writes_in_projection)
+    cos/sin of the step's positions         ->   2 lookups in a table made once (RotaryTable)
 
 A stacked product's rows are the separate products' rows, and the norm is L1's formula, so the
 logits move by float rounding at most, far inside every HF comparison's tolerance. Measured on
