@@ -190,8 +190,9 @@ def main(argv=None) -> int:
 def markdown(rows, command, load_at_start, threads, model_name, requests) -> str:
     return (f"## The engine beside llama.cpp\n\n{machine_line(threads, load_at_start)}\n\n`{command}`; {model_name}. "
             f"Mixed: bench_l5's {requests} requests at once (prompts 8-128, 8-64 new, EOS off), generated tokens over wall "
-            "seconds, ratio to HF's continuous batching. Batch 1: one request of 32 prompt tokens, its decode steps "
-            "only, ratio to HF's `generate`. llama.cpp through llama-cpp-python "
+            "seconds, ratio to HF's continuous batching. Batch 1: one request of 32 prompt tokens, the median of its "
+            "decode steps (HF's `generate` timed by a logits processor), the best of three runs a round with the "
+            "systems' runs alternating, ratio to HF's `generate`. llama.cpp through llama-cpp-python "
             f"{llama_peer.PEER_VERSION}, the weights converted by its own converter, stepped like the engine "
             "(decodes, then up to 256 prompt tokens, one llama_decode per step). Best of the rounds.\n\n"
             + markdown_table(rows, COLUMNS) + reading(rows))

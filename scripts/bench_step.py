@@ -288,8 +288,10 @@ def markdown(rows: list[dict], command: str, load_at_start: str, threads: int, p
     """`picture`: the plot's path relative to the markdown file, or None."""
     image = f"\n\n![a decode step's phases beside its floor and HF's step]({picture})" if picture else ""
     return (f"## Where a decode step's time goes\n\n{machine_line(threads, load_at_start)}\n\n`{command}`; "
-            f"B requests of {PROMPT_LEN} random prompt tokens decode together; per phase, the mean over the "
-            "decode steps of one run with timers attached (their own cost: \"timed step ms\" less \"step ms\"). "
+            f"B requests of {PROMPT_LEN} random prompt tokens decode together; \"step ms\" and \"HF step ms\": the "
+            "median decode step of a run, the best of the runs (HF's `generate` timed by a logits processor); per "
+            "phase, the mean over the decode steps of one run with timers attached (\"timed step ms\", the mean "
+            "step of that run). "
             f"{rows[0]['machine']}.\n\n" + markdown_table(rows, COLUMNS + ["ids = HF"]) + "\n\n" + reading(rows)
             + " A small model's step is dispatch-bound: each torch operation costs microseconds whatever its size, "
             "so far from its floor the step's time follows the number of operations, not the bytes." + image)
