@@ -18,8 +18,8 @@ F32 weights and an F32 KV cache its ids should equal HF's up to float rounding.
 from __future__ import annotations
 
 import ctypes
-import statistics
 import importlib
+import statistics
 import subprocess
 import sys
 import time

@@ -234,44 +234,47 @@ class PagedPrefillPlan:
     for a decode of a small model costs more than the kernel itself. `run` makes its checks on the
     first call and notes what the call looked like; that call and every later one alike (shapes,
     dtypes, device, contiguous caches) go straight to the host kernel with the metadata's arguments
-    laid out once. Other backends, and calls not alike, take the dispatcher each time. The
-    metadata tensors must not change while the plan is used (a step's never do).
+    laid out once; a call that looks different is checked and planned again. Other backends take
+    the dispatcher on every call. The metadata tensors must not change while the plan is used (a
+    step's never do).
     """
 
     def __init__(self, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                  max_query_len: int, backend: str = "auto"):
         self.cu_seqlens_q, self.context_lens, self.block_tables = cu_seqlens_q, context_lens, block_tables
         self.max_query_len, self.backend = max_query_len, backend
-        self.alike = None  # what the checked call looked like; None: no host call checked yet
-        self.run_host = self.shared = self.tail = None
+        self.alike = None  # what the checked call looked like; None: no call checked yet
+        self.run_host = self.shared = self.tail = None  # run_host None: the dispatcher takes the calls
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None = None):
         """paged_prefill_attention(q, k_cache, v_cache, <the plan's metadata>, window=window) -> [T, H, D]."""
         looks = (q.shape, q.dtype, q.is_cpu, k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype,
                  k_cache.is_contiguous() and v_cache.is_contiguous())
-        if looks != self.alike and not self.plan_host_call(q, k_cache, v_cache, window, looks):
+        if looks != self.alike:
+            self.plan_call(q, k_cache, v_cache, window, looks)
+        if self.run_host is None:
             return paged_prefill_attention(q, k_cache, v_cache, self.cu_seqlens_q, self.context_lens,
                                            self.block_tables, window=window, backend=self.backend,
                                            max_query_len=self.max_query_len, check_values=False)
         return call_host(self.run_host, q, k_cache, v_cache, self.shared, (window or 0, *self.tail),
                          want_lse=False)[0]
 
-    def plan_host_call(self, q, k_cache, v_cache, window, looks) -> bool:
-        """paged_prefill_attention's checks of this call; where it goes to the host kernel (backend
-        "cpu" or "emulated", float caches), lay out the kernel's arguments and remember `looks`.
-        False: another backend or caches of codes (the dispatcher takes every such call)."""
+    def plan_call(self, q, k_cache, v_cache, window, looks) -> None:
+        """paged_prefill_attention's checks of this call, and what later calls that look the same
+        take: the host kernel with its arguments laid out (backend "cpu" or "emulated", float
+        caches), else the dispatcher."""
         check_prefill_inputs(q, k_cache, v_cache, self.cu_seqlens_q, self.context_lens, self.block_tables)
         check_window(window)
         backend = pick_backend(self.backend, q, k_cache)
+        self.run_host, self.alike = None, looks
         if backend not in ("cpu", "emulated") or k_cache.dtype in CODE_FORMATS:
-            return False
+            return
         self.cu_seqlens_q, self.context_lens, self.block_tables = (
             t.contiguous() for t in (self.cu_seqlens_q, self.context_lens, self.block_tables))
         self.run_host, host_tail = host_kernel(backend, q, k_cache, None)
         self.shared = table_arguments(q, k_cache, self.cu_seqlens_q, self.context_lens, self.block_tables,
                                       self.max_query_len, q.shape[-1] ** -0.5)
-        self.tail, self.alike = (0, 1, *host_tail), looks  # key_begin 0, causal
-        return True
+        self.tail = (0, 1, *host_tail)  # key_begin 0, causal
 
 
 def check_prefill_inputs(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables) -> None:

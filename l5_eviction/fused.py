@@ -166,7 +166,6 @@ class RotaryTable:
 
     def __init__(self, rotary: RotaryEmbedding):
         self.rotary = rotary
-        self.inv_freq = rotary.inv_freq
         self.cos = self.sin = None  # [positions, head_dim], built on first use in the model's dtype
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
