@@ -463,9 +463,10 @@ extern "C" const char* l4_cpu_paged_prefill(
   const int count = int(items.size());
   const int workers = int(std::clamp<int64_t>(work / kMinWorkPerThread, 1, std::max(1, num_threads)));
   const int G = num_heads / num_kv_heads;
-  auto run_items = [&](int first, int stride) {  // items first, first + stride, ... on this thread
+  #pragma omp parallel num_threads(std::max(1, std::min(workers, count)))
+  {
     Scratch scratch(std::max(kTileRows * G, num_heads), head_dim, num_kv_heads);
-    for (int i = first; i < count; i += stride) {
+    for (int i = omp_get_thread_num(); i < count; i += omp_get_num_threads()) {
       const Item& it = items[i];
       if (it.kv < 0) {
         attend_row(a, scales, it.seq, it.row, scratch);
@@ -473,13 +474,6 @@ extern "C" const char* l4_cpu_paged_prefill(
         attend(a, scales, it.seq, it.row, std::min(it.row + kTileRows, cu_seqlens_q[it.seq + 1]), it.kv, scratch);
       }
     }
-  };
-  const int threads = std::max(1, std::min(workers, count));
-  if (threads == 1) {  // no parallel region: even a team of one costs a decode's attention more than its work
-    run_items(0, 1);
-  } else {
-    #pragma omp parallel num_threads(threads)
-    run_items(omp_get_thread_num(), omp_get_num_threads());
   }
   return nullptr;
 }

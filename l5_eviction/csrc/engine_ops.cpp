@@ -66,7 +66,6 @@ void l5_add_rms_norm(const float* x, int64_t x_stride, float* residual, int num_
   l5_rms_norm(residual, dim, num_rows, dim, weight, eps, out);
 }
 
-
 // qkv: num_rows rows of row_stride floats, each starting with num_heads heads of head_dim (q's
 // heads, then k's; v's follow and are not read). weight [num_heads, head_dim]: each head's norm
 // weight. cos, sin [num_rows, head_dim]: each row's rotary angles (both halves equal).
