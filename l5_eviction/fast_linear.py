@@ -9,9 +9,12 @@ kernel does better when W is first reordered ("packed") into the blocked layout 
 reads for blocks of 4 rows: at 2 to 32 rows the head took 0.6-0.8x the time of oneDNN on the
 plain layout and a fifth to a quarter of MKL's, and the layer products gain too
 (docs/benchmarks.md, "The floor of a step"). The packed kernel has one weak spot, 1 to 3 rows:
-one row takes F.linear on the dense weight (inside a decode step of the embedded model, 0.2-0.3 ms
-less than oneDNN's plain layout; level with it on Qwen3-0.6B's head), two or three are padded with
-zero rows to four.
+two or three are padded with zero rows to four, and one row, a batch-1 decode's, takes MKL's
+product on the weight stored transposed ([in, out], as TransposedLinear below) where the matrix
+fits the last-level cache (ONE_ROW_COPY_MAX_WEIGHTS; in a decode step of the embedded model the
+head took ~0.1 ms less than F.linear on the dense weight, itself 0.2-0.3 ms less than oneDNN's
+plain layout), else F.linear on the dense weight (Qwen3-0.6B's 622 MB head streams from memory:
+the layout changed it by 8%, not worth a third copy).
 
 Only large matrices are packed (MIN_PACKED_WEIGHTS). The smaller ones of a layer keep their weight
 transposed instead, [in, out] contiguous (TransposedLinear): MKL computes x @ W.T from that layout
@@ -20,8 +23,8 @@ faster than F.linear does from W's [out, in] (on the embedded model's matrices: 
 order (differences ~1e-6, inside the tolerance every HF comparison uses). Engine-only, on a CPU
 in float32 where oneDNN is built in and the product checks out on a probe; elsewhere (CUDA,
 bf16, a torch without these ops) the model keeps its `nn.Linear`s. Packing costs one more copy
-of each packed matrix (the dense weight stays: the model's parameter, tied to the embedding for
-the head, and the one-row path).
+of each packed matrix, two for one that fits the cache (the dense weight stays: the model's
+parameter, tied to the embedding for the head, and the one-row path of a large matrix).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ PACKED_ROWS = 4  # the row block the packed layout is chosen for; fewer rows are
 # a millisecond), which a server's ever-changing steps keep paying, and a small product has little
 # to gain. 2**20 weights (4 MB): every matrix of Qwen3-0.6B; of the embedded model's, the head alone.
 MIN_PACKED_WEIGHTS = 1 << 20
+# A matrix up to 2**22 weights (16 MB in float32) stays in the course machine's 36 MB last-level
+# cache from step to step: its one-row product is bound by the kernel, and MKL's is faster on [in, out].
+ONE_ROW_COPY_MAX_WEIGHTS = 1 << 22
 
 
 def onednn_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -57,18 +63,26 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.weight = dense.weight  # its dtype, device, and tie to the embedding are the model's
         self.packed = pack(dense.weight)
+        small = dense.weight.numel() <= ONE_ROW_COPY_MAX_WEIGHTS
+        self.weight_t = dense.weight.detach().t().contiguous() if small else None  # [in, out], for one row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        if x.dim() == 2 and x.shape[0] == 1:  # a batch-1 decode's row: nothing to reshape
+            return self.one_row(x)
         lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
         x = x.reshape(rows, x.shape[-1]).contiguous()
         if rows == 1:
-            y = F.linear(x, self.weight)
+            y = self.one_row(x)
         elif rows < PACKED_ROWS:
             y = onednn_product(F.pad(x, (0, 0, 0, PACKED_ROWS - rows)), self.packed)[:rows]
         else:
             y = onednn_product(x, self.packed)
         return y.reshape(*lead, y.shape[-1])
+
+    def one_row(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, in] -> [1, out]: on the transposed copy where there is one, else the dense weight."""
+        return F.linear(x, self.weight) if self.weight_t is None else torch.mm(x, self.weight_t)
 
 
 class TransposedLinear(nn.Module):

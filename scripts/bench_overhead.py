@@ -17,7 +17,8 @@ best of --repeat is kept. The changes:
   layout      the layers' smaller matrices stored transposed, [in, out] (TransposedLinear), for
               MKL's x @ W.T, instead of nn.Linear's [out, in]
   qk fused    q/k norm and rotary as one C++ call (engine_ops.py) instead of ~15 torch operations
-  head row    one row through the packed head: F.linear on the dense weight instead of oneDNN's
+  head row    one row through the packed head: MKL's product on its transposed copy ([in, out],
+              where it fits the cache; else F.linear on the dense weight) instead of oneDNN's
               product on the plain layout
   all rows    a step of decodes only hands the model no row index for the head (every row is a
               request's last) instead of gathering rows 0..B-1

@@ -77,14 +77,17 @@ def test_only_large_matrices_are_packed(make_model):
     assert packed == {"lm_head"} and model.lm_head.weight.numel() == fast_linear.MIN_PACKED_WEIGHTS
 
 
-def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model, monkeypatch):
+@pytest.mark.parametrize("one_row_copy", [True, False], ids=["one row on a transposed copy", "one row on the dense weight"])
+def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model, monkeypatch, one_row_copy):
     if not fast_linear.packing_works():
         pytest.skip("this torch has no oneDNN packed product: the engine keeps nn.Linear")
     monkeypatch.setattr(fast_linear, "MIN_PACKED_WEIGHTS", 0)  # pack the small test model's matrices too
+    monkeypatch.setattr(fast_linear, "ONE_ROW_COPY_MAX_WEIGHTS", 1 << 40 if one_row_copy else 0)
     path = make_model(seed=4, tie_word_embeddings=True)
     fast, plain = load_engine_model(path), load_engine_model(path, packed_linears=False)
     pairs = [(f, p) for f, p in zip(fast.modules(), plain.modules()) if isinstance(p, nn.Linear)]
     assert pairs and all(isinstance(f, PackedLinear) for f, _ in pairs)  # every layer's products and the head
+    assert all((f.weight_t is not None) == one_row_copy for f, _ in pairs)
     assert fast.lm_head.weight is fast.model.embed_tokens.weight  # still tied, still the model's dtype/device
     with torch.inference_mode():
         for f, p in pairs:
