@@ -106,6 +106,24 @@ def worker_python() -> str:
         return ""  # each grading then says why, and run_bundle skips with that reason
 
 
+@functools.lru_cache(maxsize=None)
+def judge_python() -> str:
+    """The judge's python (grade.py's python_for), made once for this test process and handed to
+    every grading (AUTOGRADER_JUDGE_PYTHON): as root with a python under /root, a venv whose probe
+    imports torch, about 5 s a grading. Empty when not root (the judge then runs this python)."""
+    if os.geteuid() != 0:
+        return ""
+    grade = load_script_at(ROOT / "instructor" / "autograder" / "grade.py")
+    grade.JUDGE_USER = USERS["AUTOGRADER_JUDGE_USER"]
+    folder = Path(tempfile.mkdtemp(prefix="autograder-judge-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    folder.chmod(0o711)
+    try:
+        return grade.python_for(sys.executable, grade.judge_user(), folder, "judge-python")
+    except grade.Refused:
+        return ""  # each grading then says why, and run_bundle skips with that reason
+
+
 def run_bundle(root: Path, submission: Path, tmp_path: Path, select: str | None = FAST, **settings) -> dict:
     """results.json of run_autograder on `submission`, plus its "log" (stdout) and "seconds".
     Skipped, with the grader's reason, where the grader refuses to grade on this machine (as root,
@@ -113,7 +131,7 @@ def run_bundle(root: Path, submission: Path, tmp_path: Path, select: str | None 
     results = tmp_path / "results" / "results.json"
     env = {**os.environ, **USERS, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SUBMISSION": str(submission),
            "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": sys.executable, "AUTOGRADER_SELECT": select or "",
-           "AUTOGRADER_WORKER_PYTHON": worker_python(),
+           "AUTOGRADER_WORKER_PYTHON": worker_python(), "AUTOGRADER_JUDGE_PYTHON": judge_python(),
            **{f"AUTOGRADER_{k.upper()}": str(v) for k, v in settings.items()}}
     env.pop("PYTHONPATH", None)  # the scratch copy must be what is imported, as on Gradescope
     start = time.monotonic()
@@ -358,6 +376,31 @@ def test_patching_the_grader_from_a_stub_submission_earns_nothing_and_is_flagged
     assert {t["name"] for t in results["tests"]} == {n for n in manifest["tests"] if n.startswith(FAST)}
     if cheat in (PLUGIN_PATCH + ATEXIT_REWRITE, FORGED_OUTCOMES):
         assert f"FLAG for the instructor: {init}: the grading plugin" in results["log"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the grader sweeps a user's processes only when run as root")
+def test_the_sweep_kills_a_users_running_processes_and_does_not_wait_on_its_dead_ones():
+    """After each pytest run the grader kills every process of the worker's user. One that has
+    exited but is not yet reaped (a zombie: the grader's own child, between its exit and wait())
+    runs nothing and cannot be killed: the sweep must not wait for it to go (it did, 10 s a round)."""
+    grade = load_script_at(ROOT / "instructor" / "autograder" / "grade.py")
+    grade.WORKER_USER = USERS["AUTOGRADER_WORKER_USER"]
+    uid, gid = grade.worker_user()
+    dead = subprocess.Popen(["/bin/true"], user=uid, group=gid, extra_groups=[])
+    running = subprocess.Popen(["/bin/sleep", "600"], user=uid, group=gid, extra_groups=[], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and dead.pid in grade.live_processes_of(uid):
+            time.sleep(0.05)
+        assert dead.pid not in grade.live_processes_of(uid) and running.pid in grade.live_processes_of(uid)
+        start = time.monotonic()
+        grade.kill_everything_of(uid)
+        assert time.monotonic() - start < 2
+        assert running.wait(timeout=10) == -9  # killed, though in a session of its own
+    finally:
+        running.kill()
+        running.wait()
+        dead.wait()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the worker switches to an unprivileged user only when run as root")

@@ -60,6 +60,7 @@ finished is written before the platform stops the run), AUTOGRADER_TEST_TIMEOUT 
 test on an idle machine, default 180), AUTOGRADER_MEMORY_MB (address space per worker process,
 default 8192), AUTOGRADER_WORKER_PYTHON (a worker environment `worker_environment` made before, for
 this worker user: reused instead of made again; the instructor's setting, never the student's),
+AUTOGRADER_JUDGE_PYTHON (likewise the judge's python, as `python_for` made it for this judge user),
 AUTOGRADER_SELECT (node-id prefixes: grade only those tests, to try the bundle on
 a part), AUTOGRADER_PYTEST_ARGS,
 AUTOGRADER_WORKER_USER (default autograder-student) and AUTOGRADER_JUDGE_USER (default
@@ -430,14 +431,7 @@ def kill_everything_of(uid: int) -> None:
     """SIGKILL every process of `uid`, again until none is left (a fork bomb is bounded by
     RLIMIT_NPROC, so this ends)."""
     for _ in range(200):
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    if os.stat(f"/proc/{entry}").st_uid == uid:
-                        pids.append(int(entry))
-                except OSError:
-                    continue
+        pids = live_processes_of(uid)
         if not pids:
             return
         for pid in pids:
@@ -446,6 +440,25 @@ def kill_everything_of(uid: int) -> None:
             except OSError:
                 pass
         time.sleep(0.05)
+
+
+def live_processes_of(uid: int) -> list[int]:
+    """The pids of `uid`'s processes that still run. A zombie (exited, not yet reaped by its
+    parent) is left out: it runs nothing and cannot be killed, and counting it kept the sweep
+    above going for its whole 10 s after every judged round (the grader's own unreaped child)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid != uid:
+                    continue
+                with open(f"/proc/{entry}/stat", "rb") as stat:
+                    state = stat.read().rpartition(b")")[2].split()[0]  # after "pid (name)", which may hold spaces
+            except (OSError, IndexError):  # gone meanwhile
+                continue
+            if state != b"Z":
+                pids.append(int(entry))
+    return pids
 
 
 def start_as(cmd: list[str], cwd: Path, env: dict, user, memory_mb: int, pass_fds: tuple = ()) -> subprocess.Popen:
@@ -477,9 +490,9 @@ def run_worker(cmd: list[str], cwd: Path, env: dict, user, time_limit: float, me
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    proc.wait()
     for uid in {user[0] if user else None, worker_uid} - {None}:  # and whatever left the session
         kill_everything_of(uid)
-    proc.wait()
     return log.text(), outcomes.read(), status
 
 
@@ -705,9 +718,9 @@ def stop_judged_worker(worker: subprocess.Popen, fds: tuple[int, int], user) -> 
         os.killpg(worker.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    worker.wait()
     if user is not None:
         kill_everything_of(user[0])
-    worker.wait()
 
 
 def run_judged_part(part: Part, judge_tree: Path, copy: Path, work: Path, manifest: dict, python: str,
@@ -787,7 +800,7 @@ def main() -> int:
     try:
         user, judge = worker_user(), judge_user()
         worker_py = os.environ.get("AUTOGRADER_WORKER_PYTHON") or worker_environment(python, user, work)
-        judge_py = python_for(python, judge, work, "judge-python")
+        judge_py = os.environ.get("AUTOGRADER_JUDGE_PYTHON") or python_for(python, judge, work, "judge-python")
     except Refused as exc:
         print(f"FLAG for the instructor: nothing was graded: {exc}")
         write_results(results, [], "The grader could not run your code safely (a set-up problem, not your code); "
