@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -386,21 +387,41 @@ def test_the_sweep_kills_a_users_running_processes_and_does_not_wait_on_its_dead
     grade = load_script_at(ROOT / "instructor" / "autograder" / "grade.py")
     grade.WORKER_USER = USERS["AUTOGRADER_WORKER_USER"]
     uid, gid = grade.worker_user()
-    dead = subprocess.Popen(["/bin/true"], user=uid, group=gid, extra_groups=[])
-    running = subprocess.Popen(["/bin/sleep", "600"], user=uid, group=gid, extra_groups=[], start_new_session=True)
+    as_worker = dict(user=uid, group=gid, extra_groups=[], start_new_session=True)
+    dead = subprocess.Popen(["/bin/true"], **as_worker)
+    running = [subprocess.Popen(["/bin/sleep", "600"], **as_worker)]
+    sys_exit = {"x86_64": 60, "aarch64": 93}.get(platform.machine())  # exit: this thread only, not exit_group
+    if sys_exit and os.access("/usr/bin/python3", os.X_OK):  # its first thread exits, a second runs on
+        running.append(subprocess.Popen(["/usr/bin/python3", "-c", FIRST_THREAD_EXITS.format(sys_exit)], **as_worker))
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and dead.pid in grade.live_processes_of(uid):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (dead.pid not in grade.live_processes_of(uid)
+                                                   and all(thread_states(p.pid)[:1] == ["Z"] for p in running[1:])):
             time.sleep(0.05)
-        assert dead.pid not in grade.live_processes_of(uid) and running.pid in grade.live_processes_of(uid)
+        assert dead.pid not in grade.live_processes_of(uid)
+        assert all(thread_states(p.pid)[:1] == ["Z"] and "S" in thread_states(p.pid) for p in running[1:])
+        assert {p.pid for p in running} <= set(grade.live_processes_of(uid))
         start = time.monotonic()
         grade.kill_everything_of(uid)
         assert time.monotonic() - start < 2
-        assert running.wait(timeout=10) == -9  # killed, though in a session of its own
+        assert [p.wait(timeout=10) for p in running] == [-9] * len(running)  # in sessions of their own, killed
     finally:
-        running.kill()
-        running.wait()
+        for p in running:
+            p.kill()
+            p.wait()
         dead.wait()
+
+
+FIRST_THREAD_EXITS = """import ctypes, threading, time
+threading.Thread(target=time.sleep, args=(600,)).start()
+ctypes.CDLL(None).syscall({}, 0)
+"""
+
+
+def thread_states(pid: int) -> list[str]:
+    """The state letter of each thread of `pid`, its first thread first."""
+    tids = sorted(os.listdir(f"/proc/{pid}/task"), key=lambda tid: int(tid) != pid)
+    return [Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()[0] for tid in tids]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the worker switches to an unprivileged user only when run as root")

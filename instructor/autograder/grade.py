@@ -443,22 +443,33 @@ def kill_everything_of(uid: int) -> None:
 
 
 def live_processes_of(uid: int) -> list[int]:
-    """The pids of `uid`'s processes that still run. A zombie (exited, not yet reaped by its
-    parent) is left out: it runs nothing and cannot be killed, and counting it kept the sweep
-    above going for its whole 10 s after every judged round (the grader's own unreaped child)."""
+    """The pids of `uid`'s processes that still run a thread. A zombie (every thread exited, not
+    yet reaped by its parent) is left out: it runs nothing and cannot be killed, and waiting for
+    it to go kept the sweep above spinning its whole 10 s (a parent that never reaps). A process
+    whose first thread exited while others run shows that thread as a zombie too: it is counted."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.stat(f"/proc/{entry}").st_uid != uid:
-                    continue
-                with open(f"/proc/{entry}/stat", "rb") as stat:
-                    state = stat.read().rpartition(b")")[2].split()[0]  # after "pid (name)", which may hold spaces
-            except (OSError, IndexError):  # gone meanwhile
+                if os.stat(f"/proc/{entry}").st_uid == uid and runs_a_thread(entry):
+                    pids.append(int(entry))
+            except OSError:  # gone meanwhile
                 continue
-            if state != b"Z":
-                pids.append(int(entry))
     return pids
+
+
+def runs_a_thread(pid: str) -> bool:
+    """Whether some thread of process `pid` is neither a zombie nor dead (its state in
+    /proc/<pid>/task/<tid>/stat, after "tid (name)", a name that may hold spaces and parentheses)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
+                fields = stat.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        if fields and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def start_as(cmd: list[str], cwd: Path, env: dict, user, memory_mb: int, pass_fds: tuple = ()) -> subprocess.Popen:
