@@ -555,12 +555,13 @@ else:
 
 
 @as_root
-def test_attacks_on_the_machine_and_the_reports_are_contained_and_earn_nothing(bundle, tmp_path):
+def test_attacks_on_the_machine_and_the_reports_are_contained_and_earn_nothing(bundle, tmp_path, request):
     """One stub whose import runs every attack, each noting what happened in its own file: a
     detached process that reports every test as passed once the worker has ended, a rewrite of the
     tests, a kill of the grader, a 6 GiB allocation (the limit is 4 GiB here) and a fork bomb. The
     stub's honest score is 0, and so is this one's; nothing the attacks started is left."""
-    notes = Path(tempfile.mkdtemp(prefix="attacks-"))
+    notes = Path(tempfile.mkdtemp(prefix="attacks-"))  # under /tmp: the worker's user writes its notes here
+    request.addfinalizer(lambda: shutil.rmtree(notes, ignore_errors=True))
     notes.chmod(0o777)
     attacks = {"daemon": DAEMON, "rewrite": REWRITE_TESTS, "kill": KILL_GRADER, "hog": MEMORY_HOG, "bomb": FORK_BOMB,
                "oracle": ORACLE}
