@@ -419,7 +419,10 @@ def check_explicit_backend(backend: str, q: torch.Tensor, reason: str | None, in
         raise InputError(f"backend={backend!r} cannot run this call: {reason}; use backend='reference'")
 
 
-def expect_tensor(ok: bool, what: str, tensor: torch.Tensor) -> None:
-    """InputError saying `what` was expected and what `tensor` is, unless `ok` (L12's checks use it too)."""
+def expect_tensor(ok: bool, what, tensor: torch.Tensor) -> None:
+    """InputError saying `what` was expected and what `tensor` is, unless `ok` (L4's and L12's
+    checks use it too). `what` is the message, or a function making it, for a check run every
+    step: formatting dtypes and devices costs more than checking them."""
     if not ok:
-        raise InputError(f"{what}, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
+        raise InputError(f"{what() if callable(what) else what}, got {tensor.dtype} {tuple(tensor.shape)} "
+                         f"on {tensor.device}")

@@ -281,33 +281,27 @@ def check_prefill_inputs(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_
     """Shapes, dtypes and devices (no GPU sync); InputError naming what was expected. Each message
     is made only for a check that fails: a step runs these checks, and formatting its dozen
     messages (dtypes, devices) cost more than the checks themselves."""
-    require(q.dim() == 3 and q.dtype.is_floating_point, q, lambda: "q must be a float [num_tokens, num_heads, head_dim]")
-    require(k_cache.dim() == 4 and k_cache.shape[3] == q.shape[2], k_cache,
-            lambda: f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim={q.shape[2]}]")
+    expect_tensor(q.dim() == 3 and q.dtype.is_floating_point, "q must be a float [num_tokens, num_heads, head_dim]", q)
+    expect_tensor(k_cache.dim() == 4 and k_cache.shape[3] == q.shape[2],
+                  lambda: f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim={q.shape[2]}]", k_cache)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        require(cache.shape == k_cache.shape and cache.dtype in (q.dtype, *CODE_FORMATS)
-                and cache.dtype == k_cache.dtype and cache.is_contiguous(), cache,
-                lambda: f"{name} must be contiguous, shaped like k_cache, in q's dtype {q.dtype} (or both hold "
-                        "fp8/int8 codes)")
-    require(q.shape[1] % k_cache.shape[2] == 0, q,
-            lambda: f"q's num_heads must be a multiple of the caches' num_kv_heads {k_cache.shape[2]}")
+        expect_tensor(cache.shape == k_cache.shape and cache.dtype in (q.dtype, *CODE_FORMATS)
+                      and cache.dtype == k_cache.dtype and cache.is_contiguous(),
+                      lambda: f"{name} must be contiguous, shaped like k_cache, in q's dtype {q.dtype} (or both "
+                              "hold fp8/int8 codes)", cache)
+    expect_tensor(q.shape[1] % k_cache.shape[2] == 0,
+                  lambda: f"q's num_heads must be a multiple of the caches' num_kv_heads {k_cache.shape[2]}", q)
     num_seqs = len(context_lens)
-    require(context_lens.dtype == torch.int32 and context_lens.dim() == 1, context_lens,
-            lambda: "context_lens must be int32 [B]")
-    require(cu_seqlens_q.dtype == torch.int32 and tuple(cu_seqlens_q.shape) == (num_seqs + 1,), cu_seqlens_q,
-            lambda: f"cu_seqlens_q must be int32 [B + 1 = {num_seqs + 1}]")
-    require(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and len(block_tables) == num_seqs,
-            block_tables, lambda: f"block_tables must be int32 [B = {num_seqs}, max_blocks]")
+    expect_tensor(context_lens.dtype == torch.int32 and context_lens.dim() == 1, "context_lens must be int32 [B]",
+                  context_lens)
+    expect_tensor(cu_seqlens_q.dtype == torch.int32 and tuple(cu_seqlens_q.shape) == (num_seqs + 1,),
+                  lambda: f"cu_seqlens_q must be int32 [B + 1 = {num_seqs + 1}]", cu_seqlens_q)
+    expect_tensor(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and len(block_tables) == num_seqs,
+                  lambda: f"block_tables must be int32 [B = {num_seqs}, max_blocks]", block_tables)
     device = q.device
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cu_seqlens_q", cu_seqlens_q),
                     ("context_lens", context_lens), ("block_tables", block_tables)):
-        require(t.device == device, t, lambda: f"{name} must be on q's device {device}")
-
-
-def require(ok: bool, tensor: torch.Tensor, what) -> None:
-    """expect_tensor(ok, what(), tensor), the message `what()` made only if it is needed."""
-    if not ok:
-        expect_tensor(False, what(), tensor)
+        expect_tensor(t.device == device, lambda: f"{name} must be on q's device {device}", t)
 
 
 def check_scales(q, k_cache, k_scales, v_scales) -> None:

@@ -90,39 +90,29 @@ USERS = {"AUTOGRADER_WORKER_USER": f"ag-worker-{_CHECKOUT}", "AUTOGRADER_JUDGE_U
 
 
 @functools.lru_cache(maxsize=None)
-def worker_python() -> str:
-    """The worker's environment (grade.py's worker_environment), made once for this test process
-    and handed to every grading (AUTOGRADER_WORKER_PYTHON) instead of made again by each: about
-    10 s a grading. Empty when not root (the worker then runs the grader's python)."""
+def grading_pythons() -> dict[str, str]:
+    """The worker's environment (grade.py's worker_environment) and the judge's python (its
+    python_for), made once for this test process and handed to every grading
+    (AUTOGRADER_WORKER_PYTHON, AUTOGRADER_JUDGE_PYTHON) instead of made again by each: about 12 s
+    a grading. Empty when not root (both then run the grader's python) or where the grader refuses
+    to make one (each grading then says why, and run_bundle skips with that reason)."""
+    made = {"AUTOGRADER_WORKER_PYTHON": "", "AUTOGRADER_JUDGE_PYTHON": ""}
     if os.geteuid() != 0:
-        return ""
+        return made
     grade = load_script_at(ROOT / "instructor" / "autograder" / "grade.py")
-    grade.WORKER_USER = USERS["AUTOGRADER_WORKER_USER"]
-    folder = Path(tempfile.mkdtemp(prefix="autograder-worker-"))
+    grade.WORKER_USER, grade.JUDGE_USER = USERS["AUTOGRADER_WORKER_USER"], USERS["AUTOGRADER_JUDGE_USER"]
+    folder = Path(tempfile.mkdtemp(prefix="autograder-pythons-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     folder.chmod(0o711)
-    try:
-        return grade.worker_environment(sys.executable, grade.worker_user(), folder)
-    except grade.Refused:
-        return ""  # each grading then says why, and run_bundle skips with that reason
-
-
-@functools.lru_cache(maxsize=None)
-def judge_python() -> str:
-    """The judge's python (grade.py's python_for), made once for this test process and handed to
-    every grading (AUTOGRADER_JUDGE_PYTHON): as root with a python under /root, a venv whose probe
-    imports torch, about 5 s a grading. Empty when not root (the judge then runs this python)."""
-    if os.geteuid() != 0:
-        return ""
-    grade = load_script_at(ROOT / "instructor" / "autograder" / "grade.py")
-    grade.JUDGE_USER = USERS["AUTOGRADER_JUDGE_USER"]
-    folder = Path(tempfile.mkdtemp(prefix="autograder-judge-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    folder.chmod(0o711)
-    try:
-        return grade.python_for(sys.executable, grade.judge_user(), folder, "judge-python")
-    except grade.Refused:
-        return ""  # each grading then says why, and run_bundle skips with that reason
+    makers = {"AUTOGRADER_WORKER_PYTHON": lambda: grade.worker_environment(sys.executable, grade.worker_user(), folder),
+              "AUTOGRADER_JUDGE_PYTHON": lambda: grade.python_for(sys.executable, grade.judge_user(), folder,
+                                                                  "judge-python")}
+    for setting, make in makers.items():
+        try:
+            made[setting] = make()
+        except grade.Refused:
+            pass
+    return made
 
 
 def run_bundle(root: Path, submission: Path, tmp_path: Path, select: str | None = FAST, **settings) -> dict:
@@ -132,7 +122,7 @@ def run_bundle(root: Path, submission: Path, tmp_path: Path, select: str | None 
     results = tmp_path / "results" / "results.json"
     env = {**os.environ, **USERS, "AUTOGRADER_ROOT": str(root), "AUTOGRADER_SUBMISSION": str(submission),
            "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_PYTHON": sys.executable, "AUTOGRADER_SELECT": select or "",
-           "AUTOGRADER_WORKER_PYTHON": worker_python(), "AUTOGRADER_JUDGE_PYTHON": judge_python(),
+           **grading_pythons(),
            **{f"AUTOGRADER_{k.upper()}": str(v) for k, v in settings.items()}}
     env.pop("PYTHONPATH", None)  # the scratch copy must be what is imported, as on Gradescope
     start = time.monotonic()
