@@ -3,28 +3,34 @@
     y [rows, out] = x [rows, in] @ W.T        W: [out, in], e.g. the head: 151,936 x 1,024 for Qwen3-0.6B
 
 A decode step has a few rows (one per request), so each product reads all of W to do only
-2 x rows multiply-adds per weight: it should take the time of one read of W. `F.linear` hands
-this skinny shape to MKL's sgemm, which on the course's AMD CPU took 3 to 11 times that. oneDNN's
-kernel does better when W is first reordered ("packed") into the blocked layout its micro-kernel
-reads for blocks of 4 rows: at 2 to 32 rows the head took 0.6-0.8x the time of oneDNN on the
-plain layout and a fifth to a quarter of MKL's, and the layer products gain too
-(docs/benchmarks.md, "The floor of a step"). The packed kernel has one weak spot, 1 to 3 rows:
-two or three are padded with zero rows to four, and one row, a batch-1 decode's, takes MKL's
-product on the weight stored transposed ([in, out], as TransposedLinear below) where the matrix
-fits the last-level cache (ONE_ROW_COPY_MAX_WEIGHTS; in a decode step of the embedded model the
-head took ~0.1 ms less than F.linear on the dense weight, itself 0.2-0.3 ms less than oneDNN's
-plain layout), else F.linear on the dense weight (Qwen3-0.6B's 622 MB head streams from memory:
-the layout changed it by 8%, not worth a third copy).
+2 x rows multiply-adds per weight: it should take the time of one read of W. Two things keep it
+from that. `F.linear` hands this skinny shape to MKL's sgemm, which on the course's AMD CPU took 3
+to 11 times that on a large matrix; oneDNN's kernel does better when W is first reordered
+("packed") into the blocked layout its micro-kernel reads for blocks of 4 rows: at 2 to 32 rows the
+head took 0.6-0.8x the time of oneDNN on the plain layout and a fifth to a quarter of MKL's, and the
+layer products gain too (docs/benchmarks.md, "The floor of a step"). And MKL runs a product of a
+few rows on one thread (waking others costs more than the arithmetic), while reading W is the whole
+cost, and one core reads the cache at a fraction of what all of them do. So every other product
+here keeps W.T cut into column blocks, one per thread ([parts, in, out / parts], split_columns):
+one `torch.bmm` over the blocks runs them on parallel threads, each reading its share of W
+(SplitLinear; on the embedded model, 2 threads, 2026-11-29, a decode step of 1 request 0.61 ->
+0.53 ms, of 4 requests 1.22 -> 0.85 ms, of 32 requests 3.40 -> 2.92 ms; on one thread nothing is
+split: there the blocks would only add work).
 
-Only large matrices are packed (MIN_PACKED_WEIGHTS). The smaller ones of a layer keep their weight
-transposed instead, [in, out] contiguous (TransposedLinear): MKL computes x @ W.T from that layout
-faster than F.linear does from W's [out, in] (on the embedded model's matrices: 0.75x at one row,
-0.45-0.8x at 32; measured with scripts/bench_overhead.py). The logits are the same sums in another
-order (differences ~1e-6, inside the tolerance every HF comparison uses). Engine-only, on a CPU
-in float32 where oneDNN is built in and the product checks out on a probe; elsewhere (CUDA,
-bf16, a torch without these ops) the model keeps its `nn.Linear`s. Packing costs one more copy
-of each packed matrix, two for one that fits the cache (the dense weight stays: the model's
-parameter, tied to the embedding for the head, and the one-row path of a large matrix).
+The packed kernel has one weak spot, 1 to 3 rows: two or three are padded with zero rows to four,
+and one row, a batch-1 decode's, takes the split product on a copy of W.T in column blocks where
+the matrix fits the last-level cache (ONE_ROW_COPY_MAX_WEIGHTS; the embedded model's head), else
+F.linear on the dense weight (Qwen3-0.6B's 622 MB head streams from memory: the layout changed it
+by 8%, not worth a third copy).
+
+Only large matrices are packed (MIN_PACKED_WEIGHTS); the smaller ones of a layer are SplitLinears.
+The logits are the same sums in another order (differences ~1e-6, inside the tolerance every HF
+comparison uses). Engine-only, on a CPU in float32 where oneDNN is built in and the product checks
+out on a probe; elsewhere (CUDA, bf16, a torch without these ops) the model keeps its `nn.Linear`s.
+Packing costs one more copy of each packed matrix, two for one that fits the cache (the dense
+weight stays: the model's parameter, tied to the embedding for the head, and the one-row path of
+a large matrix). Each change is measured before and after in scripts/bench_overhead.py ("layout",
+"split", "head row").
 """
 
 from __future__ import annotations
@@ -37,13 +43,16 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_ROWS = 4  # the row block the packed layout is chosen for; fewer rows are padded up to it
-# Smaller matrices stay on nn.Linear: oneDNN builds a kernel for each new row count it meets (about
+# Smaller matrices are not packed (SplitLinear): oneDNN builds a kernel for each new row count it meets (about
 # a millisecond), which a server's ever-changing steps keep paying, and a small product has little
 # to gain. 2**20 weights (4 MB): every matrix of Qwen3-0.6B; of the embedded model's, the head alone.
 MIN_PACKED_WEIGHTS = 1 << 20
-# A matrix up to 2**22 weights (16 MB in float32) stays in the course machine's 36 MB last-level
-# cache from step to step: its one-row product is bound by the kernel, and MKL's is faster on [in, out].
+# A matrix up to 2**22 weights (16 MB in float32) stays in the course machine's 32-36 MB last-level
+# cache from step to step: its one-row product is bound by reading the cache, which the split product
+# does on every thread.
 ONE_ROW_COPY_MAX_WEIGHTS = 1 << 22
+# A column block narrower than this is not worth a thread of its own.
+MIN_BLOCK_COLUMNS = 32
 
 
 def onednn_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -56,6 +65,29 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
 
 
+def thread_parts(out_features: int) -> int:
+    """How many column blocks to cut a weight of `out_features` rows into: one per torch thread, as
+    many as divide it evenly into blocks of at least MIN_BLOCK_COLUMNS (1: no split)."""
+    return max((p for p in range(1, torch.get_num_threads() + 1)
+                if out_features % p == 0 and out_features // p >= MIN_BLOCK_COLUMNS), default=1)
+
+
+def split_columns(weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """W [out, in] -> W.T's columns in `parts` equal blocks, each contiguous: [parts, in, out / parts]."""
+    out_features, in_features = weight.shape
+    return weight.detach().t().reshape(in_features, parts, out_features // parts).transpose(0, 1).contiguous()
+
+
+def split_product(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] -> x @ W.T [rows, out], where blocks = split_columns(W, parts): one bmm, whose
+    blocks torch runs on parallel threads."""
+    parts, _, width = blocks.shape
+    if parts == 1:
+        return torch.mm(x, blocks[0])
+    y = torch.bmm(x.expand(parts, *x.shape), blocks)  # [parts, rows, width]: block p's columns of every row
+    return y.transpose(0, 1).reshape(x.shape[0], parts * width)  # a view for one row, a copy for more
+
+
 class PackedLinear(nn.Module):
     """An `nn.Linear` without bias computed by oneDNN; `.weight` stays the model's dense parameter."""
 
@@ -64,7 +96,8 @@ class PackedLinear(nn.Module):
         self.weight = dense.weight  # its dtype, device, and tie to the embedding are the model's
         self.packed = pack(dense.weight)
         small = dense.weight.numel() <= ONE_ROW_COPY_MAX_WEIGHTS
-        self.weight_t = dense.weight.detach().t().contiguous() if small else None  # [in, out], for one row
+        # [parts, in, out / parts], for one row; None: one row takes F.linear on the dense weight
+        self.row_blocks = split_columns(dense.weight, thread_parts(dense.weight.shape[0])) if small else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
@@ -81,27 +114,30 @@ class PackedLinear(nn.Module):
         return y.reshape(*lead, y.shape[-1])
 
     def one_row(self, x: torch.Tensor) -> torch.Tensor:
-        """x [1, in] -> [1, out]: on the transposed copy where there is one, else the dense weight."""
-        return F.linear(x, self.weight) if self.weight_t is None else torch.mm(x, self.weight_t)
+        """x [1, in] -> [1, out]: the split product on the column blocks where there are some, else F.linear."""
+        return F.linear(x, self.weight) if self.row_blocks is None else split_product(x, self.row_blocks)
 
 
-class TransposedLinear(nn.Module):
-    """An `nn.Linear` without bias whose weight is stored as W.T, contiguous: [in, out].
-    `.weight` is still W ([out, in], a view), as nn.Linear's."""
+class SplitLinear(nn.Module):
+    """An `nn.Linear` without bias whose weight is stored as W.T in column blocks, one per thread
+    (`split_columns`): its product is one bmm, the blocks read on parallel threads. `.weight` is
+    still W [out, in] (a copy where there are several blocks; nothing in a step reads it)."""
 
-    def __init__(self, dense: nn.Linear):
+    def __init__(self, dense: nn.Linear, parts: int | None = None):
         super().__init__()
-        self.weight_t = nn.Parameter(dense.weight.detach().t().contiguous(), requires_grad=False)
+        parts = thread_parts(dense.weight.shape[0]) if parts is None else parts
+        self.blocks = nn.Parameter(split_columns(dense.weight, parts), requires_grad=False)  # [parts, in, out / parts]
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.weight_t.t()
+        parts, in_features, width = self.blocks.shape
+        return self.blocks.transpose(0, 1).reshape(in_features, parts * width).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        if x.dim() == 2:  # a step's rows, the common case: no reshape in, no view out
-            return torch.mm(x, self.weight_t)
-        y = torch.mm(x.reshape(-1, x.shape[-1]), self.weight_t)
+        if x.dim() == 2:  # a step's rows, the common case
+            return split_product(x, self.blocks)
+        y = split_product(x.reshape(-1, x.shape[-1]), self.blocks)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -129,7 +165,8 @@ def can_pack(linear: nn.Linear) -> bool:
 
 def use_packed_linears(model):
     """Swap each `nn.Linear` of the model for a PackedLinear where it applies (the layers' and the
-    head), and each smaller one of a layer for a TransposedLinear (on a CPU in float32)."""
+    head), and each smaller one of a layer for a SplitLinear (on a CPU in float32). The blocks are
+    cut for the number of torch threads at the time: set it before loading the model."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and can_pack(child):
@@ -138,5 +175,5 @@ def use_packed_linears(model):
         for module in list(layer.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and on_cpu_in_fp32(child):
-                    setattr(module, name, TransposedLinear(child))
+                    setattr(module, name, SplitLinear(child))
     return model

@@ -14,10 +14,14 @@ best of --repeat is kept. The changes:
   snapshot    the step's rollback snapshot deciding how to save each kind of value once per type
               instead of by isinstance checks on every attribute of every object (a torch.Generator's
               runs Python in torch's metaclass)
-  layout      the layers' smaller matrices stored transposed, [in, out] (TransposedLinear), for
-              MKL's x @ W.T, instead of nn.Linear's [out, in]
+  layout      the layers' smaller matrices stored transposed, [in, out], for MKL's x @ W.T, instead
+              of nn.Linear's [out, in] (putting it back takes the split below with it: nn.Linear
+              has one block)
+  split       those matrices, and the head's one-row copy, cut into column blocks, one per thread,
+              each product one bmm whose blocks run in parallel (fast_linear.SplitLinear), instead
+              of one block: MKL's product of a few rows on one thread
   qk fused    q/k norm and rotary as one C++ call (engine_ops.py) instead of ~15 torch operations
-  head row    one row through the packed head: MKL's product on its transposed copy ([in, out],
+  head row    one row through the packed head: the product on its transposed copy ([in, out],
               where it fits the cache; else F.linear on the dense weight) instead of oneDNN's
               product on the plain layout
   all rows    a step of decodes only hands the model no row index for the head (every row is a
@@ -66,7 +70,7 @@ from l2_paged import KvPool  # noqa: E402
 from l4_paged_prefill.varlen import PagedPrefillPlan, paged_prefill_attention  # noqa: E402
 from l3_block_kernel import BlockTableRunner  # noqa: E402
 from l5_eviction import StepRunner, load_engine_model  # noqa: E402
-from l5_eviction.fast_linear import PackedLinear, TransposedLinear, onednn_product  # noqa: E402
+from l5_eviction.fast_linear import PackedLinear, SplitLinear, onednn_product, split_columns  # noqa: E402
 from l5_eviction import engine_ops  # noqa: E402
 from l5_eviction.fused import FusedQwen3Model, FusedRMSNorm  # noqa: E402
 from l5_eviction.rollback import SKIPPED  # noqa: E402
@@ -116,11 +120,27 @@ def l1_norm(norm: FusedRMSNorm) -> L1Norm:
     return old
 
 
-def plain_linear(linear: TransposedLinear) -> nn.Linear:
+def plain_linear(linear: SplitLinear) -> nn.Linear:
     """nn.Linear, weight [out, in], computing the same product."""
-    old = nn.Linear(linear.weight_t.shape[0], linear.weight_t.shape[1], bias=False)
-    old.weight = nn.Parameter(linear.weight.contiguous(), requires_grad=False)
+    weight = linear.weight.contiguous()
+    old = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    old.weight = nn.Parameter(weight, requires_grad=False)
     return old
+
+
+@contextlib.contextmanager
+def unsplit(model):
+    """Every SplitLinear, and every packed matrix's one-row copy, in one block: W.T, no split."""
+    with swapped_modules(model, SplitLinear, lambda linear: SplitLinear(plain_linear(linear), parts=1)):
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear) and m.row_blocks is not None]
+        blocks = [m.row_blocks for m in packed]
+        for m in packed:
+            m.row_blocks = split_columns(m.weight, 1)
+        try:
+            yield
+        finally:
+            for m, old in zip(packed, blocks):
+                m.row_blocks = old
 
 
 def onednn_head_row(self, x):
@@ -192,7 +212,8 @@ def before(change: str, model):
         "plan": lambda: patched(PagedPrefillPlan, "run", unplanned_run),
         "kv write": lambda: patched(KvPool, "set_kv", index_put_set_kv),
         "snapshot": lambda: patched(l5_eviction.engine, "snapshot", isinstance_snapshot),
-        "layout": lambda: swapped_modules(model, TransposedLinear, plain_linear),
+        "layout": lambda: swapped_modules(model, SplitLinear, plain_linear),
+        "split": lambda: unsplit(model),
         "qk fused": lambda: patched(l5_eviction.fused, "fused_qk_applies", lambda qkv, cos: False),
         "head row": lambda: patched(PackedLinear, "forward", onednn_head_row),
         "all rows": lambda: patched(StepRunner, "logits_rows", BlockTableRunner.logits_rows),
@@ -203,7 +224,7 @@ def before(change: str, model):
     }[change]()
 
 
-CHANGES = ["norms", "plan", "kv write", "snapshot", "layout", "qk fused", "head row", "all rows", "add+norm",
+CHANGES = ["norms", "plan", "kv write", "snapshot", "layout", "split", "qk fused", "head row", "all rows", "add+norm",
            "host calls", "kv in q/k", "rotary table"]
 
 

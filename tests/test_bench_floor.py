@@ -1,7 +1,8 @@
 """The floor of a step (harness.benchmark) and the engine's packed products (provided code, no points):
 bytes and FLOPs counted from the config equal those counted on the model itself, a step's shape
 equals a brute-force count of its rows and keys, recording steps leaves the engine's output
-unchanged, and every packed product equals `nn.Linear`'s within the HF tolerance at every row count."""
+unchanged, and every packed or split product equals `nn.Linear`'s within the HF tolerance at every
+row count and every number of column blocks."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from l5_eviction import WorkItem, load_engine_model, make_engine
 from l8_prefix import SampledWorkItem
 from l10_speculative import PromptLookupDrafter, make_spec_engine
 from l5_eviction import fast_linear
-from l5_eviction.fast_linear import PACKED_ROWS, PackedLinear
+from l5_eviction.fast_linear import MIN_BLOCK_COLUMNS, PACKED_ROWS, PackedLinear, SplitLinear, thread_parts
 
 pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -77,24 +78,66 @@ def test_only_large_matrices_are_packed(make_model):
     assert packed == {"lm_head"} and model.lm_head.weight.numel() == fast_linear.MIN_PACKED_WEIGHTS
 
 
-@pytest.mark.parametrize("one_row_copy", [True, False], ids=["one row on a transposed copy", "one row on the dense weight"])
-def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model, monkeypatch, one_row_copy):
+def row_counts(x: torch.Tensor) -> list[torch.Tensor]:
+    """One row, fewer than a packed block (padded), a block and more, non-contiguous rows, 3-D."""
+    return [x[:1], x[:PACKED_ROWS - 1], x[:PACKED_ROWS], x, x[::3], x[:6].view(2, 3, -1)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("one_row_copy", [True, False], ids=["one row on a split copy", "one row on the dense weight"])
+def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model, monkeypatch, one_row_copy, threads):
     if not fast_linear.packing_works():
         pytest.skip("this torch has no oneDNN packed product: the engine keeps nn.Linear")
     monkeypatch.setattr(fast_linear, "MIN_PACKED_WEIGHTS", 0)  # pack the small test model's matrices too
     monkeypatch.setattr(fast_linear, "ONE_ROW_COPY_MAX_WEIGHTS", 1 << 40 if one_row_copy else 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the blocks are cut for this many
     path = make_model(seed=4, tie_word_embeddings=True)
     fast, plain = load_engine_model(path), load_engine_model(path, packed_linears=False)
     pairs = [(f, p) for f, p in zip(fast.modules(), plain.modules()) if isinstance(p, nn.Linear)]
     assert pairs and all(isinstance(f, PackedLinear) for f, _ in pairs)  # every layer's products and the head
-    assert all((f.weight_t is not None) == one_row_copy for f, _ in pairs)
+    assert all((f.row_blocks is not None) == one_row_copy for f, _ in pairs)
+    if one_row_copy:
+        assert {f.row_blocks.shape[0] for f, _ in pairs} == {threads}  # the test model's widths divide by 2
     assert fast.lm_head.weight is fast.model.embed_tokens.weight  # still tied, still the model's dtype/device
     with torch.inference_mode():
         for f, p in pairs:
-            x = torch.randn(2 * PACKED_ROWS + 1, p.in_features)
-            # one row (plain layout), fewer than a block (padded), a block and more, non-contiguous rows
-            for rows in (x[:1], x[:PACKED_ROWS - 1], x[:PACKED_ROWS], x, x[::3], x[:6].view(2, 3, -1)):
+            for rows in row_counts(torch.randn(2 * PACKED_ROWS + 1, p.in_features)):
                 torch.testing.assert_close(f(rows), p(rows), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_a_split_product_equals_the_linears_at_every_row_count(parts):
+    torch.manual_seed(parts)
+    dense = nn.Linear(48, 8 * MIN_BLOCK_COLUMNS, bias=False)
+    split = SplitLinear(dense, parts)
+    assert split.blocks.shape == (parts, 48, 8 * MIN_BLOCK_COLUMNS // parts) and split.blocks.is_contiguous()
+    assert torch.equal(split.weight, dense.weight)  # the blocks hold W.T's columns in order, nothing lost
+    with torch.inference_mode():
+        for rows in row_counts(torch.randn(2 * PACKED_ROWS + 1, 48)):
+            torch.testing.assert_close(split(rows), dense(rows), rtol=1e-5, atol=1e-5)
+
+
+def test_thread_parts_is_the_most_threads_that_divide_the_width_into_wide_enough_blocks(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert MIN_BLOCK_COLUMNS == 32  # the cases below are worked out for blocks of at least 32 columns
+    assert thread_parts(256) == 4
+    assert thread_parts(102) == 3  # 4 does not divide it
+    assert thread_parts(96) == 3  # 4 blocks of 24 columns would be too narrow
+    assert thread_parts(66) == 2  # 4 does not divide it, 3 blocks of 22 would be too narrow
+    assert thread_parts(101) == 1 and thread_parts(31) == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert thread_parts(256) == 1
+
+
+def test_an_engine_on_split_products_decodes_hfs_ids(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # cut every product into two blocks
+    model = load_engine_model(tiny_model_dir)
+    splits = [m for m in model.modules() if isinstance(m, SplitLinear)]
+    assert splits and all(m.blocks.shape[0] == 2 for m in splits)
+    items = [WorkItem(random_prompt(n, 512, seed=n), 4) for n in (6, 11, 3)]
+    engine = make_engine(model, 16, 4)
+    engine.run(items)  # a prefill of several rows, decodes of three rows, then of one
+    assert [r.output_ids for r in engine.requests.values()] == [hf_ids(tiny_model_dir, w.prompt_ids, 4) for w in items]
 
 
 def test_bench_l5_prints_a_floor_for_every_system(tmp_path, tiny_model_dir):
@@ -169,21 +212,29 @@ def test_bench_overhead_puts_each_change_back_and_every_variant_keeps_the_ids(tm
     assert len(rows) == 2 * len(variants)
 
 
-def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model_dir):
+def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model_dir, monkeypatch):
     bench = load_script("bench_overhead")
-    model = load_engine_model(tiny_model_dir)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "get_num_threads", lambda: 2)  # products split in two blocks
+        model = load_engine_model(tiny_model_dir)
 
     def kinds():
         return {type(m).__name__ for m in model.modules()}
-    assert {"FusedRMSNorm", "TransposedLinear"} <= kinds()
+    assert {"FusedRMSNorm", "SplitLinear"} <= kinds()
     with bench.before("norms", model):
         assert "FusedRMSNorm" not in kinds() and "L1Norm" in kinds()
     with bench.before("rotary table", model):
         assert type(model.rotary).__name__ == "RotaryEmbedding"
     assert type(model.rotary).__name__ == "RotaryTable"
     with bench.before("layout", model):
-        assert "TransposedLinear" not in kinds()
-    assert {"FusedRMSNorm", "TransposedLinear"} <= kinds()  # and back again after
+        assert "SplitLinear" not in kinds()
+    def block_counts():
+        return {m.blocks.shape[0] for m in model.modules() if isinstance(m, SplitLinear)}
+    assert block_counts() == {2}
+    with bench.before("split", model):
+        assert block_counts() == {1}
+    assert block_counts() == {2}
+    assert {"FusedRMSNorm", "SplitLinear"} <= kinds()  # and back again after
     for change, (owner, name) in {"plan": (bench.PagedPrefillPlan, "run"), "kv write": (bench.KvPool, "set_kv"),
                                   "snapshot": (bench.l5_eviction.engine, "snapshot"),
                                   "qk fused": (bench.l5_eviction.fused, "fused_qk_applies"),
