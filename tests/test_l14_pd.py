@@ -275,14 +275,18 @@ def test_a_prompt_the_decode_rank_holds_whole_moves_no_block():
 
 # ---------------------------------------------------------------- two processes: faults at the door
 
-def torchrun_with_rank1_options(extra: list[str], tmp_path, argv=("--max-new-tokens", "4")) -> tuple[int, str]:
+def torchrun_with_rank1_options(extra: list[str], tmp_path, argv=("--max-new-tokens", "4"),
+                                min_step_s: float = 0.0) -> tuple[int, str]:
     """torchrun as above, rank 1 started with `extra` options more than rank 0 (through a wrapper
-    script: torchrun gives every rank the same arguments)."""
+    script: torchrun gives every rank the same arguments); min_step_s > 0: each of rank 1's engine
+    steps takes at least that long (a sleep before it), whatever the machine's speed."""
     from probes_l14 import SMOKE
 
     wrapper = tmp_path / "rank1_differs.py"
+    slow = ("    import time, l5_eviction.engine as e\n    step = e.Engine.step\n"
+            f"    e.Engine.step = lambda self: (time.sleep({min_step_s!r}), step(self))[1]\n") if min_step_s else ""
     wrapper.write_text("import os, runpy, sys\n"
-                       f"if os.environ.get('RANK') == '1':\n    sys.argv += {extra!r}\n"
+                       f"if os.environ.get('RANK') == '1':\n    sys.argv += {extra!r}\n{slow}"
                        f"sys.argv[0] = {str(SMOKE)!r}\n"
                        f"runpy.run_path({str(SMOKE)!r}, run_name='__main__')\n")
     done = torchrun_smoke(list(argv), script=wrapper)
@@ -326,15 +330,16 @@ def test_a_stalled_transfer_that_names_no_request_is_bad_input():
 def test_a_decode_pool_full_for_ten_transfer_timeouts_is_backpressure_and_loses_no_request(tmp_path):
     """Three prompts of 140 tokens (9 blocks), nothing shared, 120 new tokens; rank 1's pool (17
     blocks) holds one request at its longest, and never two prompts: each request after the first
-    is told "not now" until the one decoding finishes, about 120 steps, far longer than ten
-    transfer timeouts. The prefill rank keeps their blocks and asks again; every request still
-    equals HF's ids, none is lost, no block leaks."""
+    is told "not now" until the one decoding finishes, about 120 steps of at least 10 ms (rank 1's
+    steps are slowed so on any machine), far longer than ten transfer timeouts. The prefill rank
+    keeps their blocks and asks again; every request still equals HF's ids, none is lost, no block
+    leaks."""
     timeout, new = 0.05, 120
     prompts = [[(7 * i + j) % 4000 + 10 for j in range(140)] for i in range(3)]
     argv = ["--max-new-tokens", str(new), "--transfer-timeout", str(timeout), "--json"]
     for prompt in prompts:
         argv += ["--prompt-ids", ",".join(map(str, prompt))]
-    status, output = torchrun_with_rank1_options(["--num-blocks", "17"], tmp_path, argv)
+    status, output = torchrun_with_rank1_options(["--num-blocks", "17"], tmp_path, argv, min_step_s=0.01)
     report = last_json(output)
     assert status == 0 and report is not None, output[-3000:]
     assert report["errors"] == 0 and report["all_blocks_free_at_end"] and report["not_now_replies"] > 0
