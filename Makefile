@@ -115,7 +115,7 @@ bench: setup
 # llama.cpp), installed in $(VENV); its llama.cpp tree stays in .peer/ for the GGUF converter.
 PEER_VERSION := 0.3.36
 PEER_SRC := .peer/llama_cpp_python-$(PEER_VERSION)
-peer: setup         ## llama.cpp beside the engine (bench_peer.py): about 15 minutes of building on 2 cores
+peer: setup         ## llama.cpp beside the engine (bench_peer.py): 4 to 15 minutes of building on 2 cores
 	mkdir -p .peer
 	test -d $(PEER_SRC) || { $(PY) -m pip download --no-deps --no-binary :all: -d .peer llama-cpp-python==$(PEER_VERSION) \
 		&& tar -xzf .peer/llama_cpp_python-$(PEER_VERSION).tar.gz -C .peer; }

@@ -1,6 +1,6 @@
 """llama.cpp as a peer in the benchmarks: the same weights, the same requests, the same step schedule.
 
-Optional: it needs llama-cpp-python (`make peer` builds it, about 15 minutes on 2 cores) and a
+Optional: it needs llama-cpp-python (`make peer` builds it, 4 to 15 minutes on 2 cores) and a
 llama.cpp source tree for its converter (`make peer` unpacks the one vendored in llama-cpp-python's
 source release into .peer/). Nothing in the tests depends on it.
 
@@ -51,7 +51,7 @@ def available() -> str | None:
     try:
         importlib.import_module("llama_cpp")
     except ImportError as exc:
-        return f"llama-cpp-python is not installed ({exc}); `make peer` builds it (about 15 minutes on 2 cores)"
+        return f"llama-cpp-python is not installed ({exc}); `make peer` builds it (4 to 15 minutes on 2 cores)"
     return None
 
 

@@ -17,26 +17,24 @@ one `torch.bmm` over the blocks runs them on parallel threads, each reading its 
 0.53 ms, of 4 requests 1.22 -> 0.85 ms, of 32 requests 3.40 -> 2.92 ms; on one thread nothing is
 split: there the blocks would only add work).
 
-The packed kernel has one weak spot, 1 to 3 rows: two or three are padded with zero rows to four,
-and one row, a batch-1 decode's, takes the split product on a copy of W.T in column blocks where
-the matrix fits the last-level cache (ONE_ROW_COPY_MAX_WEIGHTS; the embedded model's head), else
-F.linear on the dense weight (Qwen3-0.6B's 622 MB head streams from memory: the layout changed it
-by 8%, not worth a third copy).
+The packed kernel has one weak spot, 1 to 3 rows: they are padded with zero rows to four. One row,
+a batch-1 decode's, takes the split product instead on a copy of W.T in column blocks where the
+matrix fits the last-level cache (ONE_ROW_COPY_MAX_WEIGHTS; the embedded model's head); a larger
+one streams from memory, where the padded rows cost nothing (Qwen3-0.6B's 622 MB head: 13 ms
+padded and packed against 29 ms for `F.linear` on the dense weight, 2 threads, 2026-11-29).
 
 Only large matrices are packed (MIN_PACKED_WEIGHTS); the smaller ones of a layer are SplitLinears.
 The logits are the same sums in another order (differences ~1e-6, inside the tolerance every HF
 comparison uses). Engine-only, on a CPU in float32 where oneDNN is built in and the product checks
 out on a probe; elsewhere (CUDA, bf16, a torch without these ops) the model keeps its `nn.Linear`s.
 Packing costs one more copy of each packed matrix, two for one that fits the cache (the dense
-weight stays: the model's parameter, tied to the embedding for the head, and the one-row path of
-a large matrix). Each change is measured before and after in scripts/bench_overhead.py ("layout",
+weight stays: the model's parameter, tied to the embedding for the head). Each change is measured before and after in scripts/bench_overhead.py ("layout",
 "split", "head row").
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -96,26 +94,25 @@ class PackedLinear(nn.Module):
         self.weight = dense.weight  # its dtype, device, and tie to the embedding are the model's
         self.packed = pack(dense.weight)
         small = dense.weight.numel() <= ONE_ROW_COPY_MAX_WEIGHTS
-        # [parts, in, out / parts], for one row; None: one row takes F.linear on the dense weight
+        # [parts, in, out / parts], for one row; None: one row is padded to the packed block, as two or three
         self.row_blocks = split_columns(dense.weight, thread_parts(dense.weight.shape[0])) if small else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        if x.dim() == 2 and x.shape[0] == 1:  # a batch-1 decode's row: nothing to reshape
-            return self.one_row(x)
-        lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
-        x = x.reshape(rows, x.shape[-1]).contiguous()
-        if rows == 1:
-            y = self.one_row(x)
-        elif rows < PACKED_ROWS:
-            y = onednn_product(F.pad(x, (0, 0, 0, PACKED_ROWS - rows)), self.packed)[:rows]
-        else:
-            y = onednn_product(x, self.packed)
-        return y.reshape(*lead, y.shape[-1])
+        if x.dim() == 2:  # a step's rows, the common case: nothing to reshape
+            return self.product(x)
+        y = self.product(x.reshape(-1, x.shape[-1]))
+        return y.view(*x.shape[:-1], y.shape[-1])
 
-    def one_row(self, x: torch.Tensor) -> torch.Tensor:
-        """x [1, in] -> [1, out]: the split product on the column blocks where there are some, else F.linear."""
-        return F.linear(x, self.weight) if self.row_blocks is None else split_product(x, self.row_blocks)
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, out]."""
+        rows = x.shape[0]
+        if rows == 1 and self.row_blocks is not None:
+            return split_product(x, self.row_blocks)
+        x = x.contiguous()
+        if rows < PACKED_ROWS:  # padded with zero rows to the packed block
+            return onednn_product(F.pad(x, (0, 0, 0, PACKED_ROWS - rows)), self.packed)[:rows]
+        return onednn_product(x, self.packed)
 
 
 class SplitLinear(nn.Module):

@@ -19,7 +19,7 @@ and in F16 with an F16 KV cache) and the same work as the course's engine and HF
 Rounds alternate the systems (load on a shared machine hits all alike); the best of --repeat is
 kept. "ids = HF": requests whose ids equal HF's greedy ids.
 
-llama.cpp is optional: `make peer` builds llama-cpp-python (about 15 minutes on 2 cores) and
+llama.cpp is optional: `make peer` builds llama-cpp-python (4 to 15 minutes on 2 cores) and
 unpacks its llama.cpp tree for the converter; without it the llama.cpp rows say why.
 
     python scripts/bench_peer.py                                   # the embedded model, 2 threads

@@ -84,7 +84,7 @@ def row_counts(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("one_row_copy", [True, False], ids=["one row on a split copy", "one row on the dense weight"])
+@pytest.mark.parametrize("one_row_copy", [True, False], ids=["one row on a split copy", "one row padded and packed"])
 def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model, monkeypatch, one_row_copy, threads):
     if not fast_linear.packing_works():
         pytest.skip("this torch has no oneDNN packed product: the engine keeps nn.Linear")
