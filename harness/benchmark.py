@@ -323,13 +323,24 @@ def bench_command(script: str, argv: list[str]) -> str:
     return " ".join(out)
 
 
-def machine_line(threads: int, load_at_start: str | None = None) -> str:
-    """Hardware, versions, date and load: the first line of every generated section."""
+def cpu_name() -> str:
+    """The CPU's model name where Linux says it (figures differ from one CPU to another even at
+    the same core count), else the architecture."""
     import platform
 
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0]}, {platform.machine()}" if names else platform.processor() or platform.machine()
+
+
+def machine_line(threads: int, load_at_start: str | None = None) -> str:
+    """Hardware, versions, date and load: the first line of every generated section."""
     import transformers
 
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_name()
     if torch.cuda.is_available():
         cpu += f", {torch.cuda.get_device_name()}"
     load = f"{load_at_start} at the start, {load_average()} at the end" if load_at_start else load_average()
@@ -493,7 +504,7 @@ def write_header(path: str) -> None:
         pass
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     replace_section(path, "header", f"Sections marked as generated were last written by `make bench` on: "
-                                    f"{platform.machine()} CPU with {os.cpu_count()} cores{mem}, {gpu}, "
+                                    f"{cpu_name()} CPU with {os.cpu_count()} cores{mem}, {gpu}, "
                                     f"Python {platform.python_version()}, torch {torch.__version__}, "
                                     f"transformers {transformers.__version__}, {_now()}.")
 
