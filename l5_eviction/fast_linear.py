@@ -41,9 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_ROWS = 4  # the row block the packed layout is chosen for; fewer rows are padded up to it
-# Smaller matrices are not packed (SplitLinear): oneDNN builds a kernel for each new row count it meets (about
-# a millisecond), which a server's ever-changing steps keep paying, and a small product has little
-# to gain. 2**20 weights (4 MB): every matrix of Qwen3-0.6B; of the embedded model's, the head alone.
+# Smaller matrices are not packed (they are SplitLinears): oneDNN builds a kernel for each new row
+# count it meets (about a millisecond), which a server's ever-changing steps keep paying, and a small
+# product has little to gain. 2**20 weights (4 MB): every matrix of Qwen3-0.6B; of the embedded
+# model's, the head alone.
 MIN_PACKED_WEIGHTS = 1 << 20
 # A matrix up to 2**22 weights (16 MB in float32) stays in the course machine's 32-36 MB last-level
 # cache from step to step: its one-row product is bound by reading the cache, which the split product
