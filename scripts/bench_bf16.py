@@ -32,7 +32,6 @@ with starting():
     from harness import compare  # noqa: E402
     from harness.benchmark import check_bench_args, markdown_table, print_table, replace_section  # noqa: E402
     from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
-    from harness.smoke import DEFAULT_MODEL  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent
 LESSONS = ["l1", "l2", "l3", "l5", "l8", "l10", "l11"]

@@ -12,7 +12,6 @@ Methods take turns within each round; best of --repeat rounds.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time

@@ -19,21 +19,20 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.cli import OneLineParser, guard_startup, run_main  # noqa: E402
+from harness.cli import guard_startup, run_main  # noqa: E402
 
 guard_startup()  # Ctrl-C while torch loads: one line, exit 2 (run_main takes over for the work)
 
 import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
-from harness.benchmark import check_bench_args, write_text_atomic, bench_parser, compare_phases, hf_generate, print_table, tokens_per_s  # noqa: E402
+from harness.benchmark import check_bench_args, write_text_atomic, bench_parser, compare_phases, cpu_name, hf_generate, print_table, tokens_per_s  # noqa: E402
 from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
 from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate, load_config  # noqa: E402
 
@@ -69,16 +68,6 @@ def ours_runner(model: Qwen3ForCausalLM, prompts: list[list[int]]):
 def _round(value: float, digits: int | None = None):
     """Rounded for the table; None (shown as n/a) when not measurable."""
     return None if math.isnan(value) else round(value, digits)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> int:

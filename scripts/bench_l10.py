@@ -27,7 +27,6 @@ from its padded shape; HF's speculative runs are not visible ("n/a").
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time

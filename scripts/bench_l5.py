@@ -64,7 +64,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.cli import OneLineParser, guard_startup, run_main  # noqa: E402
+from harness.cli import guard_startup, run_main  # noqa: E402
 
 guard_startup()  # Ctrl-C while torch loads: one line, exit 2 (run_main takes over for the work)
 

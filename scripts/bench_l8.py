@@ -50,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness.cli import OneLineParser, guard_startup, run_main  # noqa: E402
+from harness.cli import guard_startup, run_main  # noqa: E402
 
 guard_startup()  # Ctrl-C while torch loads: one line, exit 2 (run_main takes over for the work)
 
@@ -268,7 +268,7 @@ def bench_model(label, model_dir, args, device, dtype, backend, requests, repeat
 
 
 def markdown(results: list[dict], args, command: str, load_at_start: str) -> str:
-    n, p, t = args.requests, args.prefix_len, args.tail_len
+    p, t = args.prefix_len, args.tail_len
     out = ["## L8: prefix sharing, and HF's continuous batching", "",
            f"`{command}` — {machine_line(torch.get_num_threads(), load_at_start)}.", "",
            f"Workload: requests sharing a {p}-token prefix with their own {t}-token tails (random ids, seed "

@@ -17,7 +17,7 @@ from helpers import budget
 from l5_eviction import DEFAULT_PREFILL_CHUNK, WorkItem, load_engine_model
 from l8_prefix import SampledWorkItem, chain_keys, make_prefix_engine
 from l8_prefix import PrefixRequest
-from test_l8_engine import PREFIX, VOCAB, by_sample, check_all_released, check_invariants, guard_writes, run_checked, tail
+from test_l8_engine import PREFIX, by_sample, check_all_released, check_invariants, guard_writes, run_checked, tail
 from test_l8_engine import hf_ref, model  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.l8, pytest.mark.usefixtures("one_torch_thread")]
