@@ -36,6 +36,7 @@ CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 KERNEL_SOURCE = CSRC_DIR / "paged_attention.cu"  # plain CUDA, compiles with `nvcc -c` alone
 BINDING_SOURCE = CSRC_DIR / "binding.cpp"
 EMULATION_HEADER = CSRC_DIR / "cuda_emulation.h"
+LAUNCH_HEADER = CSRC_DIR / "cuda_launch.h"  # the launch macro and warp width, shared with L4's kernel
 EMULATION_BINDING = CSRC_DIR / "emulation_binding.cpp"
 EMULATION_SHIMS = CSRC_DIR / "emulation"  # cuda_runtime.h, cuda_fp16.h, cuda_bf16.h -> cuda_emulation.h
 EXTENSION_NAME = "l3_paged_attention"
@@ -305,7 +306,7 @@ def _bind_emulation(library: ctypes.CDLL) -> ctypes.CDLL:
 
 EMULATION_BUILD = HostBuild(
     what="the CPU emulation of the L3 kernel", backend="emulated", standard="C++20", flags=EMULATION_FLAGS,
-    sources=(KERNEL_SOURCE, CSRC_DIR / "paged_attention.h", EMULATION_HEADER, EMULATION_BINDING,
+    sources=(KERNEL_SOURCE, CSRC_DIR / "paged_attention.h", LAUNCH_HEADER, EMULATION_HEADER, EMULATION_BINDING,
              *sorted(EMULATION_SHIMS.glob("*.h"))),
     inputs=(f"-I{EMULATION_SHIMS}", f"-I{CSRC_DIR}", "-x", "c++", str(KERNEL_SOURCE), "-x", "c++", str(EMULATION_BINDING)),
     filename="paged_attention_emulated.so", bind=_bind_emulation)

@@ -13,8 +13,9 @@ import ctypes
 from pathlib import Path
 
 from l3_block_kernel.kernel_build import (CPU_KERNEL_FLAGS, CPU_KERNEL_OPTIONAL_FLAGS, CSRC_DIR as L3_CSRC_DIR,
-                                          EMULATION_FLAGS, EMULATION_HEADER, EMULATION_SHIMS, KV_CODES_HEADER, OPENMP_HEADER,
-                                          BuildOnce, HostBuild, build_cuda_extension, build_host)
+                                          EMULATION_FLAGS, EMULATION_HEADER, EMULATION_SHIMS, KV_CODES_HEADER,
+                                          LAUNCH_HEADER, OPENMP_HEADER, BuildOnce, HostBuild, build_cuda_extension,
+                                          build_host)
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 KERNEL_SOURCE = CSRC_DIR / "paged_prefill.cu"
@@ -43,7 +44,8 @@ def _bind(symbol: str, argtypes: list):
 
 EMULATION_BUILD = HostBuild(
     what="the CPU emulation of the L4 kernel", backend="emulated", standard="C++20", flags=EMULATION_FLAGS,
-    sources=(KERNEL_SOURCE, HEADER, EMULATION_BINDING, EMULATION_HEADER, *sorted(EMULATION_SHIMS.glob("*.h"))),
+    sources=(KERNEL_SOURCE, HEADER, LAUNCH_HEADER, EMULATION_BINDING, EMULATION_HEADER,
+             *sorted(EMULATION_SHIMS.glob("*.h"))),
     inputs=(f"-I{EMULATION_SHIMS}", f"-I{L3_CSRC_DIR}", f"-I{CSRC_DIR}", "-x", "c++", str(KERNEL_SOURCE),
             "-x", "c++", str(EMULATION_BINDING)),
     filename="paged_prefill_emulated.so", bind=_bind("l4_emulated_paged_prefill", _ARGTYPES))

@@ -26,14 +26,16 @@ CPU_KERNEL_USERS = ("tests/test_l4_", "tests/test_l5_", "tests/test_l8_", "tests
 _nvcc: tuple[subprocess.Popen, Path] | None = None
 
 
-def nvcc_command(out: Path, archs: list[str], *flags: str, code: str = "sm") -> list[str] | None:
-    """The compile check's nvcc call (None without nvcc). code "sm": down to each arch's machine code
-    (ptxas included); "compute": to PTX only, what the front end checks (templates, intrinsics)."""
+def nvcc_command(out: Path, archs: list[str], *flags: str, code: str = "sm",
+                 source: Path = KERNEL_SOURCE) -> list[str] | None:
+    """The compile check's nvcc call (None without nvcc), of L3's kernel unless `source` says another.
+    code "sm": down to each arch's machine code (ptxas included); "compute": to PTX only, what the
+    front end checks (templates, intrinsics)."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         return None
     gencode = [f"-gencode=arch=compute_{a},code={code}_{a}" for a in archs]
-    return [nvcc, "-c", "-std=c++17", "-O3", "--threads", "0", *flags, str(KERNEL_SOURCE), "-o", str(out), *gencode]
+    return [nvcc, "-c", "-std=c++17", "-O3", "--threads", "0", *flags, str(source), "-o", str(out), *gencode]
 
 
 # make test's check: sm_75 to PTX, head_dim 128 only (16 s instead of 125 s on 2 cores).

@@ -21,10 +21,11 @@ import pytest
 import torch
 
 from l1_contiguous import InputError
-from l3_block_kernel.kernel_build import host_compiler
+from l3_block_kernel.kernel_build import LAUNCH_HEADER, host_compiler
 from l3_block_kernel.paged_attention import (
     CSRC_DIR, KERNEL_SOURCE, load_emulation, load_extension, paged_attention, paged_attention_gather,
     paged_attention_reference)
+from l4_paged_prefill.kernel_build import CSRC_DIR as L4_CSRC_DIR
 
 pa = importlib.import_module("l3_block_kernel.paged_attention")  # the module; the package exports the function
 pytestmark = [pytest.mark.l3]
@@ -355,13 +356,19 @@ def test_cpu_backend_takes_float32_on_the_cpu_only():
 
 
 def test_kernel_source_is_plain_cuda():
-    """The kernel and its header compile without torch; only binding.cpp includes it. The one
-    launch syntax the emulation cannot parse, <<<...>>>, appears only in the LAUNCH_KERNEL macro."""
-    for path in (KERNEL_SOURCE, CSRC_DIR / "paged_attention.h"):
+    """The kernels (L3's and L4's) and their headers compile without torch; only binding.cpp
+    includes it. The one launch syntax the emulation cannot parse, <<<...>>>, appears only in the
+    LAUNCH_KERNEL macro, which both kernels take from cuda_launch.h."""
+    l4_source = L4_CSRC_DIR / "paged_prefill.cu"
+    sources = (KERNEL_SOURCE, CSRC_DIR / "paged_attention.h", l4_source, L4_CSRC_DIR / "paged_prefill.h", LAUNCH_HEADER)
+    for path in sources:
         includes = [line for line in path.read_text().splitlines() if line.startswith("#include")]
         assert not any("torch" in line or "ATen" in line or "c10" in line for line in includes), path
-    launches = [line for line in KERNEL_SOURCE.read_text().splitlines() if "<<<" in line and not line.startswith("//")]
+    launches = [line for path in sources for line in path.read_text().splitlines()
+                if "<<<" in line and not line.startswith("//")]
     assert len(launches) == 1 and launches[0].startswith("#define LAUNCH_KERNEL"), launches
+    for kernel in (KERNEL_SOURCE, l4_source):
+        assert any(line.startswith("#include") and "cuda_launch.h" in line for line in kernel.read_text().splitlines())
 
 
 def _compile(tmp_path, archs, flags=(), code="sm", started: subprocess.Popen | None = None):

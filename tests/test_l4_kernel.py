@@ -244,3 +244,18 @@ def test_cuda_kernel_equals_the_reference(dtype, context_lens, query_lens, block
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(lse, want_lse.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_the_cuda_kernel_compiles_for_the_oldest_supported_arch(tmp_path):
+    """nvcc, where installed, compiles paged_prefill.cu (with L3's cuda_launch.h, which it shares)
+    to sm_75 PTX, without a warning: the source a GPU's build would compile, checked on any machine."""
+    import subprocess
+
+    import prebuild
+    from l4_paged_prefill.kernel_build import KERNEL_SOURCE
+
+    command = prebuild.nvcc_command(tmp_path / "paged_prefill.o", ["75"], code="compute", source=KERNEL_SOURCE)
+    if command is None:
+        pytest.skip("nvcc is not on PATH: install the CUDA toolkit to compile-check the kernel")
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert result.returncode == 0 and "warning" not in result.stdout.lower(), result.stdout[-4000:]

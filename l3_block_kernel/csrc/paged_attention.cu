@@ -45,15 +45,10 @@
 #include <cstring>
 #include <type_traits>
 
-// `kernel<<<grid, block, 0, stream>>>(args)` spelled as a macro, so that the CPU emulation
-// (cuda_emulation.h) can run the same launch on host threads.
-#ifndef LAUNCH_KERNEL
-#define LAUNCH_KERNEL(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
-#endif
+#include "cuda_launch.h"  // LAUNCH_KERNEL and kWarpSize
 
 namespace {
 
-constexpr int kWarpSize = 32;
 constexpr int kNumWarps = 8;
 constexpr int kThreads = kNumWarps * kWarpSize;
 // NOTE: a warp issues the K and V loads of a whole tile before it uses any of them, so each lane

@@ -20,17 +20,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../../l3_block_kernel/csrc/cuda_launch.h"  // L3's: LAUNCH_KERNEL and kWarpSize
 #include "paged_prefill.h"
-
-// `kernel<<<grid, block, 0, stream>>>(args)` spelled as a macro, so that the CPU emulation
-// (l3_block_kernel/csrc/cuda_emulation.h) can run the same line.
-#ifndef LAUNCH_KERNEL
-#define LAUNCH_KERNEL(kernel, grid, block, stream) kernel<<<grid, block, 0, stream>>>
-#endif
 
 namespace {
 
-constexpr int kWarpSize = 32;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kRows = 16;                   // (query row, query head) pairs per thread block
