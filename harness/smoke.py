@@ -121,11 +121,16 @@ def resolve_device(device: str | None, dtype: str | None) -> tuple[str, torch.dt
     return device, DTYPES[dtype or ("float32" if device == "cpu" else "bfloat16")]
 
 
+def resolve_model(args: argparse.Namespace) -> tuple[Path, Qwen3Config, str, torch.dtype]:
+    """--model, --device and --dtype: the model folder, its config, the device and the dtype;
+    InputError on bad input."""
+    model_dir = resolve_model_dir(args.model)
+    return (model_dir, load_config(model_dir), *resolve_device(args.device, args.dtype))
+
+
 def resolve(args: argparse.Namespace) -> Setup:
     """Check the common options and load config, tokenizer and prompts; InputError on bad input."""
-    model_dir = resolve_model_dir(args.model)
-    cfg = load_config(model_dir)
-    device, dtype = resolve_device(args.device, args.dtype)
+    model_dir, cfg, device, dtype = resolve_model(args)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     tokenizer = load_tokenizer(model_dir)

@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
 from harness.benchmark import check_bench_args, write_text_atomic, bench_parser, compare_phases, cpu_name, hf_generate, print_table, tokens_per_s  # noqa: E402
-from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
-from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate, load_config  # noqa: E402
+from harness.smoke import resolve_model  # noqa: E402
+from l1_contiguous import ContiguousKvCache, InputError, Qwen3ForCausalLM, greedy_generate  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,9 +73,7 @@ def _round(value: float, digits: int | None = None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        model_dir = resolve_model_dir(args.model)
-        cfg = load_config(model_dir)
-        device, dtype = resolve_device(args.device, args.dtype)
+        model_dir, cfg, device, dtype = resolve_model(args)
         if args.max_new_tokens < 2:
             raise InputError("--max-new-tokens must be at least 2 (prefill + at least one decode step)")
         if args.prompt_len < 1 or args.num_prompts < 1 or args.repeat < 1:

@@ -42,8 +42,8 @@ import torch  # noqa: E402
 
 from harness import hf_reference as hf  # noqa: E402
 from harness.benchmark import check_bench_args, write_text_atomic, bench_parser, hf_generate, print_table, timed, tokens_per_s  # noqa: E402
-from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
-from l1_contiguous import InputError, Qwen3ForCausalLM, greedy_generate, load_config  # noqa: E402
+from harness.smoke import resolve_model  # noqa: E402
+from l1_contiguous import InputError, Qwen3ForCausalLM, greedy_generate  # noqa: E402
 from l2_paged import (BlockAllocator, KvPool, PagedRunner, Request, blocks_needed, bytes_per_block,  # noqa: E402
                       load_paged_model)
 
@@ -125,9 +125,7 @@ def time_phases(methods: dict, work, repeat: int, device) -> dict:
 # ---------------------------------------------------------------- main
 
 def setup(args):
-    model_dir = resolve_model_dir(args.model)
-    cfg = load_config(model_dir)
-    device, dtype = resolve_device(args.device, args.dtype)
+    model_dir, cfg, device, dtype = resolve_model(args)
     if args.requests < 1 or args.repeat < 1 or args.block_size < 1:
         raise InputError("--requests, --repeat and --block-size must be at least 1")
     if PROMPT_LENS[1] + OUTPUT_LENS[1] > cfg.max_position_embeddings:

@@ -75,7 +75,7 @@ from harness.benchmark import (check_bench_args, write_text_atomic, Machine, Mod
                                hf_continuous_config, hf_generate, load_average, machine_line, markdown_table,
                                best_of, measure_machine, padded_batch_steps, parse_batch_tokens, print_table, record_steps,
                                replace_section, serve_engine, serve_hf_continuous, timed, tokens_per_s)
-from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
+from harness.smoke import resolve_model  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
@@ -471,9 +471,7 @@ def main(argv=None) -> int:
                                                    args.block_size, args.prefill_chunk) < 1:
             raise InputError("--repeat, --repeat-0.6b, --layers-0.6b, --threads, --block-size and "
                              f"--prefill-chunk must be at least 1, --requests at least {WARM_UP_REQUESTS}")
-        model_dir = resolve_model_dir(args.model)
-        cfg = load_config(model_dir)
-        device, dtype = resolve_device(args.device, args.dtype)
+        model_dir, cfg, device, dtype = resolve_model(args)
         candidates = batch_tokens(args)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)

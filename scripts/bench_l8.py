@@ -61,7 +61,7 @@ from harness.benchmark import (check_bench_args, write_text_atomic, Machine, Mod
                                hf_continuous_config, load_average, machine_line, markdown_table, measure_machine,
                                parse_batch_tokens, print_table, record_steps, replace_section, serve_engine,
                                serve_hf_continuous)
-from harness.smoke import resolve_device, resolve_model_dir  # noqa: E402
+from harness.smoke import resolve_model  # noqa: E402
 from harness.tiny_models import QWEN3_0_6B, make_random_model  # noqa: E402
 from l1_contiguous import InputError, load_config  # noqa: E402
 from l2_paged import blocks_needed  # noqa: E402
@@ -294,9 +294,7 @@ def markdown(results: list[dict], args, command: str, load_at_start: str) -> str
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        model_dir = resolve_model_dir(args.model)
-        cfg = load_config(model_dir)
-        device, dtype = resolve_device(args.device, args.dtype)
+        model_dir, cfg, device, dtype = resolve_model(args)
         check(args, cfg)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
