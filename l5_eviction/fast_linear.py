@@ -10,8 +10,9 @@ to 11 times that on a large matrix; oneDNN's kernel does better when W is first 
 head took 0.6-0.8x the time of oneDNN on the plain layout and a fifth to a quarter of MKL's, and the
 layer products gain too (docs/benchmarks.md, "The floor of a step"). And MKL runs a product of a
 few rows on one thread (waking others costs more than the arithmetic), while reading W is the whole
-cost, and one core reads the cache at a fraction of what all of them do. So every other product
-here keeps W.T cut into column blocks, one per thread ([parts, in, out / parts], split_columns):
+cost, and one core reads the cache at a fraction of what all of them do. So the layers' matrices
+that are not packed keep W.T cut into column blocks, one per thread ([parts, in, out / parts],
+split_columns):
 one `torch.bmm` over the blocks runs them on parallel threads, each reading its share of W
 (SplitLinear; on the embedded model, 2 threads, 2026-11-29, a decode step of 1 request 0.61 ->
 0.53 ms, of 4 requests 1.22 -> 0.85 ms, of 32 requests 3.40 -> 2.92 ms; on one thread nothing is
@@ -28,8 +29,8 @@ The logits are the same sums in another order (differences ~1e-6, inside the tol
 comparison uses). Engine-only, on a CPU in float32 where oneDNN is built in and the product checks
 out on a probe; elsewhere (CUDA, bf16, a torch without these ops) the model keeps its `nn.Linear`s.
 Packing costs one more copy of each packed matrix, two for one that fits the cache (the dense
-weight stays: the model's parameter, tied to the embedding for the head). Each change is measured before and after in scripts/bench_overhead.py ("layout",
-"split", "head row").
+weight stays: the model's parameter, tied to the embedding for the head). Each change is measured
+before and after in scripts/bench_overhead.py ("layout", "split", "head row").
 """
 
 from __future__ import annotations
@@ -41,16 +42,18 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_ROWS = 4  # the row block the packed layout is chosen for; fewer rows are padded up to it
-# Smaller matrices are not packed (they are SplitLinears): oneDNN builds a kernel for each new row
-# count it meets (about a millisecond), which a server's ever-changing steps keep paying, and a small
-# product has little to gain. 2**20 weights (4 MB): every matrix of Qwen3-0.6B; of the embedded
-# model's, the head alone.
+# Smaller matrices are not packed (a layer's are SplitLinears, a small head stays nn.Linear): oneDNN
+# builds a kernel for each new row count it meets (about a millisecond), which a server's
+# ever-changing steps keep paying, and a small product has little to gain. 2**20 weights (4 MB):
+# every matrix of Qwen3-0.6B; of the embedded model's, the head alone.
 MIN_PACKED_WEIGHTS = 1 << 20
 # A matrix up to 2**22 weights (16 MB in float32) stays in the course machine's 32-36 MB last-level
 # cache from step to step: its one-row product is bound by reading the cache, which the split product
 # does on every thread.
 ONE_ROW_COPY_MAX_WEIGHTS = 1 << 22
-# A column block narrower than this is not worth a thread of its own.
+# A column block narrower than this is not worth a thread of its own. (The embedded model's
+# smallest matrices, 256 x 256 and 512 x 256, split in two lose 1-2 us at one row, cache-warm, and
+# gain 2-11 us at four: a wash, so the rule stays this simple.)
 MIN_BLOCK_COLUMNS = 32
 
 
@@ -88,7 +91,8 @@ def split_product(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """An `nn.Linear` without bias computed by oneDNN; `.weight` stays the model's dense parameter."""
+    """An `nn.Linear` without bias computed by oneDNN on its packed weight (one row: the split product
+    on its copy, where it has one); `.weight` stays the model's dense parameter."""
 
     def __init__(self, dense: nn.Linear):
         super().__init__()

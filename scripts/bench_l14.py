@@ -232,14 +232,14 @@ def pd_rank(model_dir: Path, out: str) -> int:
 
 
 def pd_rows(model_dir: Path, tmp: Path) -> list[dict]:
+    # one process: L5's mixed steps (prefill chunks of 256 beside the decodes), on as many threads as
+    # the two ranks have between them: equal cores (set before loading: the products are split per thread)
+    torch.set_num_threads(2)
     model = load_engine_model(model_dir)
     hf_model = hf.load_hf_model(str(model_dir))
     items = pd_workload(model.config.vocab_size)
     expected = [hf.hf_greedy(hf_model, w.prompt_ids, w.max_new_tokens) for w in items]
     num_blocks = sum(-(-(len(w.prompt_ids) + w.max_new_tokens) // BS) for w in items)
-    # one process: L5's mixed steps (prefill chunks of 256 beside the decodes), on as many threads as
-    # the two ranks have between them: equal cores
-    torch.set_num_threads(2)
     engine = make_offload_engine(model, num_blocks, BS)
     for item in items:
         engine.add_request(item)

@@ -21,9 +21,9 @@ best of --repeat is kept. The changes:
               each product one bmm whose blocks run in parallel (fast_linear.SplitLinear), instead
               of one block: MKL's product of a few rows on one thread
   qk fused    q/k norm and rotary as one C++ call (engine_ops.py) instead of ~15 torch operations
-  head row    one row through the packed head: a product on its copy of W.T ([in, out], where it
-              fits the cache; else padded to four rows and packed) instead of oneDNN's product on
-              the plain layout
+  head row    one row through the packed head: the split product on its copy of W.T in column
+              blocks (where it fits the cache; else padded to four rows and packed) instead of
+              oneDNN's product on the plain layout
   all rows    a step of decodes only hands the model no row index for the head (every row is a
               request's last) instead of gathering rows 0..B-1
   add+norm    each residual add done inside the RMSNorm after it, the residual carried from layer

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from harness.benchmark import Machine, ModelCost, StepShape, padded_batch_steps, record_forwards, record_steps
@@ -103,6 +104,12 @@ def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model, 
         for f, p in pairs:
             for rows in row_counts(torch.randn(2 * PACKED_ROWS + 1, p.in_features)):
                 torch.testing.assert_close(f(rows), p(rows), rtol=1e-5, atol=1e-5)
+    # Which path one row takes: the split copy where there is one, else the packed product (padded)
+    calls = []
+    monkeypatch.setattr(fast_linear, "onednn_product", lambda x, w: calls.append(x.shape[0]) or F.linear(x, fast.lm_head.weight))
+    with torch.inference_mode():
+        fast.lm_head(torch.randn(1, fast.lm_head.weight.shape[1]))
+    assert calls == ([] if one_row_copy else [PACKED_ROWS])
 
 
 @pytest.mark.parametrize("parts", [1, 2, 4])
@@ -130,8 +137,9 @@ def test_thread_parts_is_the_most_threads_that_divide_the_width_into_wide_enough
 
 
 def test_an_engine_on_split_products_decodes_hfs_ids(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # cut every product into two blocks
-    model = load_engine_model(tiny_model_dir)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "get_num_threads", lambda: 2)  # cut every product into two blocks
+        model = load_engine_model(tiny_model_dir)
     splits = [m for m in model.modules() if isinstance(m, SplitLinear)]
     assert splits and all(m.blocks.shape[0] == 2 for m in splits)
     items = [WorkItem(random_prompt(n, 512, seed=n), 4) for n in (6, 11, 3)]
@@ -216,6 +224,9 @@ def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model
     bench = load_script("bench_overhead")
     with monkeypatch.context() as patch:
         patch.setattr(torch, "get_num_threads", lambda: 2)  # products split in two blocks
+        # the head packed (the tiny model's is smaller than the threshold), its one-row copy split too
+        patch.setattr(fast_linear, "MIN_PACKED_WEIGHTS", load_config(tiny_model_dir).vocab_size
+                      * load_config(tiny_model_dir).hidden_size)
         model = load_engine_model(tiny_model_dir)
 
     def kinds():
@@ -229,11 +240,12 @@ def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model
     with bench.before("layout", model):
         assert "SplitLinear" not in kinds()
     def block_counts():
-        return {m.blocks.shape[0] for m in model.modules() if isinstance(m, SplitLinear)}
-    assert block_counts() == {2}
+        return ({m.blocks.shape[0] for m in model.modules() if isinstance(m, SplitLinear)},
+                model.lm_head.row_blocks.shape[0])
+    assert block_counts() == ({2}, 2)
     with bench.before("split", model):
-        assert block_counts() == {1}
-    assert block_counts() == {2}
+        assert block_counts() == ({1}, 1)
+    assert block_counts() == ({2}, 2)
     assert {"FusedRMSNorm", "SplitLinear"} <= kinds()  # and back again after
     for change, (owner, name) in {"plan": (bench.PagedPrefillPlan, "run"), "kv write": (bench.KvPool, "set_kv"),
                                   "snapshot": (bench.l5_eviction.engine, "snapshot"),
