@@ -11,12 +11,12 @@ head took 0.6-0.8x the time of oneDNN on the plain layout and a fifth to a quart
 layer products gain too (docs/benchmarks.md, "The floor of a step"). And MKL runs a product of a
 few rows on one thread (waking others costs more than the arithmetic), while reading W is the whole
 cost, and one core reads the cache at a fraction of what all of them do. So the layers' matrices
-that are not packed keep W.T cut into column blocks, one per thread ([parts, in, out / parts],
-split_columns):
-one `torch.bmm` over the blocks runs them on parallel threads, each reading its share of W
-(SplitLinear; on the embedded model, 2 threads, 2026-11-29, a decode step of 1 request 0.61 ->
-0.53 ms, of 4 requests 1.22 -> 0.85 ms, of 32 requests 3.40 -> 2.92 ms; on one thread nothing is
-split: there the blocks would only add work).
+that are not packed keep W.T cut into column blocks, one per thread where each is big enough to be
+worth one (thread_parts; [parts, in, out / parts], split_columns): one `torch.bmm` over the blocks
+runs them on parallel threads, each reading its share of W (SplitLinear; on the embedded model,
+2 threads, 2026-11-29, a decode step of 1 request 0.61 -> 0.53 ms, of 4 requests 1.22 -> 0.85 ms,
+of 32 requests 3.40 -> 2.92 ms; on one thread nothing is split: there the blocks would only add
+work).
 
 The packed kernel has one weak spot, 1 to 3 rows: they are padded with zero rows to four. One row,
 a batch-1 decode's, takes the split product instead on a copy of W.T in column blocks where the
@@ -51,10 +51,11 @@ MIN_PACKED_WEIGHTS = 1 << 20
 # cache from step to step: its one-row product is bound by reading the cache, which the split product
 # does on every thread.
 ONE_ROW_COPY_MAX_WEIGHTS = 1 << 22
-# A column block narrower than this is not worth a thread of its own. (The embedded model's
-# smallest matrices, 256 x 256 and 512 x 256, split in two lose 1-2 us at one row, cache-warm, and
-# gain 2-11 us at four: a wash, so the rule stays this simple.)
-MIN_BLOCK_COLUMNS = 32
+# A block smaller than this is not worth waking a thread for: 2**15 weights, 128 KB in float32, a
+# few microseconds of reading. On 2 threads every matrix of the embedded model splits in two; its
+# smallest ones (256 x 256, 512 x 256) then lose 1-2 us at one row, cache-warm, and gain 2-11 us at
+# four rows: a wash. On more threads a small matrix is cut into fewer blocks than there are threads.
+MIN_BLOCK_WEIGHTS = 1 << 15
 
 
 def onednn_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -67,11 +68,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
 
 
-def thread_parts(out_features: int) -> int:
-    """How many column blocks to cut a weight of `out_features` rows into: one per torch thread, as
-    many as divide it evenly into blocks of at least MIN_BLOCK_COLUMNS (1: no split)."""
+def thread_parts(weight: torch.Tensor) -> int:
+    """How many column blocks to cut W [out, in] into: one per torch thread, as many as divide `out`
+    evenly into blocks of at least MIN_BLOCK_WEIGHTS weights (1: no split)."""
+    out_features, in_features = weight.shape
     return max((p for p in range(1, torch.get_num_threads() + 1)
-                if out_features % p == 0 and out_features // p >= MIN_BLOCK_COLUMNS), default=1)
+                if out_features % p == 0 and out_features // p * in_features >= MIN_BLOCK_WEIGHTS), default=1)
 
 
 def split_columns(weight: torch.Tensor, parts: int) -> torch.Tensor:
@@ -100,7 +102,7 @@ class PackedLinear(nn.Module):
         self.packed = pack(dense.weight)
         small = dense.weight.numel() <= ONE_ROW_COPY_MAX_WEIGHTS
         # [parts, in, out / parts], for one row; None: one row is padded to the packed block, as two or three
-        self.row_blocks = split_columns(dense.weight, thread_parts(dense.weight.shape[0])) if small else None
+        self.row_blocks = split_columns(dense.weight, thread_parts(dense.weight)) if small else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
@@ -121,13 +123,14 @@ class PackedLinear(nn.Module):
 
 
 class SplitLinear(nn.Module):
-    """An `nn.Linear` without bias whose weight is stored as W.T in column blocks, one per thread
-    (`split_columns`): its product is one bmm, the blocks read on parallel threads. `.weight` is
-    still W [out, in] (a copy where there are several blocks; nothing in a step reads it)."""
+    """An `nn.Linear` without bias whose weight is stored as W.T in column blocks, up to one per
+    thread (`thread_parts`, `split_columns`): its product is one bmm, the blocks read on parallel
+    threads. `.weight` is still W [out, in] (a copy where there are several blocks; nothing in a
+    step reads it)."""
 
     def __init__(self, dense: nn.Linear, parts: int | None = None):
         super().__init__()
-        parts = thread_parts(dense.weight.shape[0]) if parts is None else parts
+        parts = thread_parts(dense.weight) if parts is None else parts
         self.blocks = nn.Parameter(split_columns(dense.weight, parts), requires_grad=False)  # [parts, in, out / parts]
 
     @property

@@ -64,9 +64,9 @@ def load_engine_model(model_dir: str | Path, dtype=torch.float32, device="cpu", 
     Its q/k/v and gate/up projections are stacked into one product each and its norms are
     torch's (fused.py: the same arithmetic in fewer operations). packed_linears: on a CPU in
     float32, the large matrix products run on oneDNN with their weights packed for few rows and
-    the layers' smaller ones on W.T cut into one column block per torch thread, run in parallel
-    (fast_linear.py: the blocks are cut for the thread count at load, so set torch's threads
-    first; False: `nn.Linear`, half the memory).
+    the layers' smaller ones on W.T cut into column blocks, up to one per torch thread, run in
+    parallel (fast_linear.py: the blocks are cut for the thread count at load, so set torch's
+    threads first; False: `nn.Linear`, half the memory).
     """
     model = fuse_model(load_paged_model(model_dir, dtype, device, attention_cls=attention_cls))
     return use_packed_linears(model) if packed_linears else model

@@ -20,7 +20,7 @@ from l5_eviction import WorkItem, load_engine_model, make_engine
 from l8_prefix import SampledWorkItem
 from l10_speculative import PromptLookupDrafter, make_spec_engine
 from l5_eviction import fast_linear
-from l5_eviction.fast_linear import MIN_BLOCK_COLUMNS, PACKED_ROWS, PackedLinear, SplitLinear, thread_parts
+from l5_eviction.fast_linear import PACKED_ROWS, PackedLinear, SplitLinear, thread_parts
 
 pytestmark = [pytest.mark.l5, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -92,6 +92,7 @@ def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model, 
     monkeypatch.setattr(fast_linear, "MIN_PACKED_WEIGHTS", 0)  # pack the small test model's matrices too
     monkeypatch.setattr(fast_linear, "ONE_ROW_COPY_MAX_WEIGHTS", 1 << 40 if one_row_copy else 0)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the blocks are cut for this many
+    monkeypatch.setattr(fast_linear, "MIN_BLOCK_WEIGHTS", 1)  # the test model's matrices are small
     path = make_model(seed=4, tie_word_embeddings=True)
     fast, plain = load_engine_model(path), load_engine_model(path, packed_linears=False)
     pairs = [(f, p) for f, p in zip(fast.modules(), plain.modules()) if isinstance(p, nn.Linear)]
@@ -115,30 +116,35 @@ def test_packed_products_match_the_linears_and_keep_the_tied_weight(make_model, 
 @pytest.mark.parametrize("parts", [1, 2, 4])
 def test_a_split_product_equals_the_linears_at_every_row_count(parts):
     torch.manual_seed(parts)
-    dense = nn.Linear(48, 8 * MIN_BLOCK_COLUMNS, bias=False)
+    dense = nn.Linear(48, 256, bias=False)
     split = SplitLinear(dense, parts)
-    assert split.blocks.shape == (parts, 48, 8 * MIN_BLOCK_COLUMNS // parts) and split.blocks.is_contiguous()
+    assert split.blocks.shape == (parts, 48, 256 // parts) and split.blocks.is_contiguous()
     assert torch.equal(split.weight, dense.weight)  # the blocks hold W.T's columns in order, nothing lost
     with torch.inference_mode():
         for rows in row_counts(torch.randn(2 * PACKED_ROWS + 1, 48)):
             torch.testing.assert_close(split(rows), dense(rows), rtol=1e-5, atol=1e-5)
 
 
-def test_thread_parts_is_the_most_threads_that_divide_the_width_into_wide_enough_blocks(monkeypatch):
+def test_thread_parts_is_the_most_threads_that_divide_the_width_into_large_enough_blocks(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    assert MIN_BLOCK_COLUMNS == 32  # the cases below are worked out for blocks of at least 32 columns
-    assert thread_parts(256) == 4
-    assert thread_parts(102) == 3  # 4 does not divide it
-    assert thread_parts(96) == 3  # 4 blocks of 24 columns would be too narrow
-    assert thread_parts(66) == 2  # 4 does not divide it, 3 blocks of 22 would be too narrow
-    assert thread_parts(101) == 1 and thread_parts(31) == 1
+    monkeypatch.setattr(fast_linear, "MIN_BLOCK_WEIGHTS", 32 * 1024)  # at 1,024 inputs: blocks of 32 columns or more
+
+    def parts(out_features, in_features=1024):
+        return thread_parts(torch.empty(out_features, in_features))
+    assert parts(256) == 4
+    assert parts(102) == 3  # 4 does not divide it
+    assert parts(96) == 3  # 4 blocks of 24 columns would be too small
+    assert parts(66) == 2  # 4 does not divide it, 3 blocks of 22 columns would be too small
+    assert parts(101) == 1 and parts(31) == 1
+    assert parts(256, in_features=256) == 2  # fewer inputs, fewer weights a column: 4 blocks too small
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert thread_parts(256) == 1
+    assert parts(256) == 1
 
 
 def test_an_engine_on_split_products_decodes_hfs_ids(tiny_model_dir, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(torch, "get_num_threads", lambda: 2)  # cut every product into two blocks
+        patch.setattr(fast_linear, "MIN_BLOCK_WEIGHTS", 1)  # however small (the test model's are)
         model = load_engine_model(tiny_model_dir)
     splits = [m for m in model.modules() if isinstance(m, SplitLinear)]
     assert splits and all(m.blocks.shape[0] == 2 for m in splits)
@@ -224,6 +230,7 @@ def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model
     bench = load_script("bench_overhead")
     with monkeypatch.context() as patch:
         patch.setattr(torch, "get_num_threads", lambda: 2)  # products split in two blocks
+        patch.setattr(fast_linear, "MIN_BLOCK_WEIGHTS", 1)  # however small (the test model's are)
         # the head packed (the tiny model's is smaller than the threshold), its one-row copy split too
         patch.setattr(fast_linear, "MIN_PACKED_WEIGHTS", load_config(tiny_model_dir).vocab_size
                       * load_config(tiny_model_dir).hidden_size)
