@@ -17,9 +17,9 @@ best of --repeat is kept. The changes:
   layout      the layers' smaller matrices stored transposed, [in, out], for MKL's x @ W.T, instead
               of nn.Linear's [out, in] (putting it back takes the split below with it: nn.Linear
               has one block)
-  split       those matrices, and the head's one-row copy, cut into column blocks, one per thread,
-              each product one bmm whose blocks run in parallel (fast_linear.SplitLinear), instead
-              of one block: MKL's product of a few rows on one thread
+  split       those matrices, and the head's one-row copy, cut into column blocks, up to one per
+              thread, each product one bmm whose blocks run in parallel (fast_linear.SplitLinear),
+              instead of one block: MKL's product of a few rows on one thread
   qk fused    q/k norm and rotary as one C++ call (engine_ops.py) instead of ~15 torch operations
   head row    one row through the packed head: the split product on its copy of W.T in column
               blocks (where it fits the cache; else padded to four rows and packed) instead of

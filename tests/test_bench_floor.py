@@ -232,8 +232,8 @@ def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model
         patch.setattr(torch, "get_num_threads", lambda: 2)  # products split in two blocks
         patch.setattr(fast_linear, "MIN_BLOCK_WEIGHTS", 1)  # however small (the test model's are)
         # the head packed (the tiny model's is smaller than the threshold), its one-row copy split too
-        patch.setattr(fast_linear, "MIN_PACKED_WEIGHTS", load_config(tiny_model_dir).vocab_size
-                      * load_config(tiny_model_dir).hidden_size)
+        cfg = load_config(tiny_model_dir)
+        patch.setattr(fast_linear, "MIN_PACKED_WEIGHTS", cfg.vocab_size * cfg.hidden_size)
         model = load_engine_model(tiny_model_dir)
 
     def kinds():
@@ -246,6 +246,7 @@ def test_bench_overheads_before_contexts_really_put_the_old_code_back(tiny_model
     assert type(model.rotary).__name__ == "RotaryTable"
     with bench.before("layout", model):
         assert "SplitLinear" not in kinds()
+
     def block_counts():
         return ({m.blocks.shape[0] for m in model.modules() if isinstance(m, SplitLinear)},
                 model.lm_head.row_blocks.shape[0])
