@@ -29,7 +29,7 @@ CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC_DIR / "engine_ops.cpp"
 
 
-def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+def _bind_engine_ops(library: ctypes.CDLL) -> ctypes.CDLL:
     qk, norm, add_norm, silu = (library.l5_qk_norm_rope, library.l5_rms_norm, library.l5_add_rms_norm,
                                 library.l5_silu_mul)
     qk.restype = norm.restype = add_norm.restype = silu.restype = None
@@ -51,7 +51,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 BUILD = HostBuild(what="the engine's fused CPU operations", backend="cpu", standard="C++17",
                   flags=(*CPU_KERNEL_FLAGS, "-fopenmp-simd"),
-                  sources=(SOURCE,), inputs=("-x", "c++", str(SOURCE)), filename="engine_ops.so", bind=_bind)
+                  sources=(SOURCE,), inputs=("-x", "c++", str(SOURCE)), filename="engine_ops.so", bind=_bind_engine_ops)
 load_engine_ops = BuildOnce(lambda: build_host(BUILD))
 load_engine_ops.__doc__ = "Builds csrc/engine_ops.cpp on first use (~1 s), then returns the ctypes library."
 
